@@ -1,0 +1,1 @@
+"""The `job` CLI and the training loop that ties `state` and `uploader` together."""
