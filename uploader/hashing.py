@@ -30,12 +30,20 @@ class HashingWriter:
         self._raw = raw
         self._digest = hashlib.sha256()
         self.size = 0
+        # The first write error, kept because some writers (torch.save's zip writer) replace it with
+        # a RuntimeError while cleaning up, and the caller needs the real cause (ENOSPC, EFBIG, EIO).
+        self.error: OSError | None = None
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
         view = memoryview(data)
+        try:
+            written = self._raw.write(view)
+        except OSError as e:
+            self.error = self.error or e
+            raise
         self._digest.update(view)
         self.size += view.nbytes
-        return self._raw.write(view)
+        return written
 
     def flush(self) -> None:
         self._raw.flush()

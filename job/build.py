@@ -1,0 +1,112 @@
+"""Turn a TrainConfig into a ready State: model, data, optimizer, schedule, metrics, seeded.
+
+Everything that consumes randomness at construction (model init) runs right after seeding, in the
+same order on a fresh start and on a resume, so a resume only has to overwrite state.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from job.config import TrainConfig
+from job.exceptions import ConfigError
+from job.plugins import data_factory, model_factory
+from state import Evaluator, Precision, ResumableBatchSampler, State, TimeUnit, seed_all
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Run:
+    """A State plus the pieces the loop drives but the State does not own."""
+
+    state: State
+    sampler: ResumableBatchSampler
+    device: torch.device
+    batch_size: int
+
+
+def _dataset(factory: Any, split: str, spec: str) -> Dataset:
+    ds = factory(split)
+    try:
+        n = len(ds)
+    except TypeError:
+        raise ConfigError(f"--data {spec!r}: split {split!r} is not a map-style Dataset (no len())") from None
+    if n == 0:
+        raise ConfigError(f"--data {spec!r}: split {split!r} is empty")
+    return ds
+
+
+def _metrics(model: torch.nn.Module, train: bool) -> dict[str, Any]:
+    fn = getattr(model, "metrics", None)
+    if fn is None:
+        return {}
+    found = fn(train)
+    if found is None:
+        return {}
+    if isinstance(found, dict):
+        return dict(found)
+    if hasattr(found, "items"):  # MetricCollection
+        return dict(found.items())
+    return {type(found).__name__: found}
+
+
+def total_batches(cfg: TrainConfig, steps_per_epoch: int) -> int | None:
+    """Length of the LR schedule in optimizer steps; None when it cannot be known (tokens)."""
+    d = cfg.max_duration
+    if d.unit == TimeUnit.EPOCH:
+        return int(d.value) * steps_per_epoch
+    if d.unit == TimeUnit.BATCH:
+        return int(d.value)
+    if d.unit == TimeUnit.SAMPLE:
+        return math.ceil(int(d.value) / cfg.batch_size)
+    return None
+
+
+def build(cfg: TrainConfig) -> Run:
+    seed_all(cfg.seed)
+    device = torch.device(cfg.device)
+    model = model_factory(cfg.model)()
+    if not isinstance(model, torch.nn.Module) or not callable(getattr(model, "loss", None)):
+        raise ConfigError(f"--model {cfg.model!r} must return a torch.nn.Module with forward(batch) and loss(outputs, batch)")
+    model.to(device)
+    data = data_factory(cfg.data)
+    train_ds, eval_ds = _dataset(data, "train", cfg.data), _dataset(data, "eval", cfg.data)
+    if len(train_ds) < cfg.batch_size:
+        raise ConfigError(f"--batch-size {cfg.batch_size} is larger than the training set ({len(train_ds)} samples)")
+
+    sampler = ResumableBatchSampler(len(train_ds), cfg.batch_size, seed=cfg.seed)
+    pin = device.type == "cuda"
+    # Explicit generators: a DataLoader without one draws its worker seed from the global RNG each time
+    # an iterator starts, which would make a mid-epoch resume diverge from an uninterrupted run.
+    train_loader = DataLoader(train_ds, batch_sampler=sampler, num_workers=cfg.num_workers, pin_memory=pin,
+                              generator=torch.Generator())
+    eval_loader = DataLoader(eval_ds, batch_size=cfg.batch_size, shuffle=False, num_workers=cfg.num_workers,
+                             pin_memory=pin, generator=torch.Generator())
+    eval_metrics = {k: m.to(device) for k, m in _metrics(model, train=False).items()}
+    train_metrics = {k: m.to(device) for k, m in _metrics(model, train=True).items()}
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
+    steps = total_batches(cfg, len(sampler))
+    schedulers = [torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)] if steps else []
+    scaler = torch.amp.GradScaler("cuda") if cfg.precision == Precision.AMP_FP16 else None
+
+    state = State(
+        model=model,
+        max_duration=cfg.max_duration,
+        rank_zero_seed=cfg.seed,
+        train_dataloader=train_loader,
+        evaluators=[Evaluator(label="eval", dataloader=eval_loader, metrics=eval_metrics)] if eval_metrics else None,
+        grad_accum=cfg.grad_accum,
+        precision=cfg.precision,
+        optimizers=optimizer,
+        scaler=scaler,
+        train_metrics=train_metrics,
+    )
+    state.schedulers = schedulers
+    return Run(state=state, sampler=sampler, device=device, batch_size=cfg.batch_size)

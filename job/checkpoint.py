@@ -1,0 +1,167 @@
+"""The one owner of checkpoints: save the State atomically, find the newest good one, load it safely.
+
+Storage format and commit protocol live in ``uploader.local`` / ``uploader.manifest`` (torch-free, shared
+with the sidecar); this module adds what needs torch: serializing the State and loading it with
+``torch.load(weights_only=True)``, so nothing in a checkpoint is ever executed as code.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import pickle
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from job.exceptions import CheckpointLoadError, CheckpointWriteError
+from job.logs import event
+from state import State
+from uploader import local
+from uploader.exceptions import CorruptCheckpoint, ManifestError
+from uploader.hashing import HashingWriter
+from uploader.manifest import FileEntry, Manifest
+
+logger = logging.getLogger(__name__)
+
+STATE_FILE = "state.pt"
+# Settings that change the training result: resuming with other values cannot be bit-exact.
+RESULT_SETTINGS = ("model", "data", "batch_size", "seed", "grad_accum", "world_size")
+
+
+class Checkpointer:
+    """Writes checkpoints of a State into one folder and keeps the newest ``keep``."""
+
+    def __init__(self, folder: Path, keep: int, meta: dict[str, Any]) -> None:
+        self.folder = folder
+        self.keep = keep
+        self.meta = meta
+
+    def save(self, state: State) -> local.LocalCheckpoint:
+        """Write, fsync and commit a checkpoint of ``state``; on any OSError the previous ones stay as they were."""
+        started = time.perf_counter()
+        step = state.timer.batch.value
+        staging: Path | None = None
+        try:
+            staging = local.staging_dir(self.folder, step)
+            with open(staging / STATE_FILE, "wb") as raw:
+                writer = HashingWriter(raw)
+                try:
+                    torch.save(state.state_dict(), writer)
+                except RuntimeError:
+                    if writer.error is None:
+                        raise
+                    raise writer.error from None
+                raw.flush()
+                os.fsync(raw.fileno())
+            manifest = Manifest(
+                step=step,
+                files=(FileEntry(STATE_FILE, writer.size, writer.hexdigest()),),
+                timer=state.timer.state_dict(),
+                meta=self.meta,
+            )
+            ckpt = local.commit(staging, manifest)
+        except OSError as e:
+            if staging is not None:
+                shutil.rmtree(staging, ignore_errors=True)
+            raise CheckpointWriteError(
+                f"cannot write a checkpoint to {self.folder}: {e.strerror or e}; free disk space or fix "
+                "permissions (the previous checkpoint is untouched)"
+            ) from None
+        local.prune(self.folder, self.keep)
+        event(logger, "checkpoint", step=step, path=str(ckpt.path), bytes=writer.size,
+              seconds=round(time.perf_counter() - started, 3))
+        return ckpt
+
+    def newest(self) -> tuple[local.LocalCheckpoint, Manifest] | None:
+        local.clean_staging(self.folder)
+        return local.newest_verified(self.folder)
+
+
+def open_checkpoint(path: Path) -> tuple[Path, Manifest]:
+    """A checkpoint folder given by the user (``--resume PATH``, ``job inspect``), verified.
+
+    A folder of checkpoints is accepted too: its newest verified checkpoint is used.
+    """
+    if not path.is_dir():
+        raise CheckpointLoadError(f"{path} is not a checkpoint folder (expected a folder with manifest.json)")
+    if not (path / "manifest.json").is_file():
+        found = local.newest_verified(path)
+        if found is None:
+            raise CheckpointLoadError(f"{path} holds no complete checkpoint (no folder with a valid manifest.json)")
+        return found[0].path, found[1]
+    try:
+        manifest = Manifest.read(path)
+        manifest.verify(path)
+    except (CorruptCheckpoint, ManifestError) as e:
+        raise CheckpointLoadError(f"checkpoint {path} is unusable: {e}") from None
+    return path, manifest
+
+
+def load_state_file(folder: Path) -> dict[str, Any]:
+    """Load a state file with ``weights_only=True``: tensors and plain containers only, never code."""
+    path = folder / STATE_FILE
+    try:
+        loaded = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointLoadError(
+            f"refusing to load {path}: it needs pickled code, which is never executed ({first[:160]}); "
+            "only checkpoints written by spot-trainer can be resumed"
+        ) from None
+    except FileNotFoundError:
+        raise CheckpointLoadError(f"{path} is missing") from None
+    except (RuntimeError, EOFError, ValueError) as e:
+        raise CheckpointLoadError(f"{path} is not a readable torch file ({str(e).splitlines()[0][:160]})") from None
+    if not isinstance(loaded, dict):
+        raise CheckpointLoadError(f"{path} does not hold a state dict")
+    return loaded
+
+
+def restore(state: State, folder: Path, manifest: Manifest, meta: dict[str, Any]) -> None:
+    """Load a verified checkpoint into ``state``; warn when settings differ from the ones it was made with."""
+    for key in RESULT_SETTINGS:
+        old, new = manifest.meta.get(key), meta.get(key)
+        if old is not None and old != new:
+            logger.warning("resuming with %s=%r, the checkpoint was made with %r: the result will differ "
+                           "from an uninterrupted run", key, new, old)
+    try:
+        state.load_state_dict(load_state_file(folder))
+    except (KeyError, RuntimeError, ValueError, TypeError) as e:
+        raise CheckpointLoadError(f"checkpoint {folder} does not fit this model/optimizer: "
+                                  f"{str(e).splitlines()[0][:200]}") from None
+
+
+def model_sha256(model_state: dict[str, Any]) -> str:
+    """sha256 over the model's tensors in name order: equal hashes mean bit-identical weights."""
+    digest = hashlib.sha256()
+    for name in sorted(model_state):
+        tensor = model_state[name]
+        digest.update(name.encode())
+        if isinstance(tensor, torch.Tensor):
+            t = tensor.detach().cpu().contiguous()
+            digest.update(str(t.dtype).encode() + str(tuple(t.shape)).encode())
+            digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def describe(folder: Path, manifest: Manifest) -> dict[str, Any]:
+    """What ``job inspect`` prints: the position in training and a fingerprint of the weights."""
+    loaded = load_state_file(folder)
+    timer = manifest.timer
+    return {
+        "path": str(folder),
+        "format_version": manifest.format_version,
+        "step": manifest.step,
+        "epoch": timer.get("epoch"),
+        "batch_in_epoch": timer.get("batch_in_epoch"),
+        "samples": timer.get("sample"),
+        "tokens": timer.get("token"),
+        "bytes": manifest.total_size,
+        "created": manifest.created,
+        "model_sha256": model_sha256(loaded.get("model", {})),
+        "meta": manifest.meta,
+    }

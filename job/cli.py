@@ -1,0 +1,147 @@
+"""``job``: the command-line edge. Options are parsed and validated here, once, into config dataclasses.
+
+Every option can also be set with an environment variable ``JOB_<OPTION>`` (e.g. ``JOB_MAX_DURATION``)
+so Kubernetes manifests can configure the job without changing its command. Errors print one line
+and exit with the code documented in :mod:`job.exceptions`.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import click
+import torch
+
+from job.config import CheckpointConfig, TrainConfig
+from job.exceptions import EXIT_BUG, EXIT_USAGE, ConfigError, JobError
+from job.logs import setup_logging
+from job.schedule import Interval
+from state import Precision, PrecisionError, Time
+
+logger = logging.getLogger(__name__)
+
+
+def option(name: str, **kwargs: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A click option with its ``JOB_*`` environment variable and default shown in --help."""
+    envvar = "JOB_" + name.split("/")[0].lstrip("-").replace("-", "_").upper()
+    return click.option(name, envvar=envvar, show_envvar=True, show_default=True, **kwargs)
+
+
+class TimeType(click.ParamType):
+    name = "TIME"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Time:
+        if isinstance(value, Time):
+            return value
+        try:
+            return Time.from_timestring(str(value))
+        except ValueError as e:
+            self.fail(f"{e}; examples: 10ep, 500ba, 2048sp, 1e6tok", param, ctx)
+
+
+class IntervalType(click.ParamType):
+    name = "INTERVAL"
+
+    def __init__(self, wall_clock: bool = True) -> None:
+        self.wall_clock = wall_clock
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Interval:
+        if isinstance(value, Interval):
+            return value
+        try:
+            return Interval.parse(str(value), allow_wall_clock=self.wall_clock)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda, but no CUDA GPU is visible; run with --gpus / a GPU node, or --device cpu")
+    return device
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(package_name="spot-trainer")
+def cli() -> None:
+    """spot-trainer: PyTorch training that survives preemption."""
+
+
+@cli.command()
+@option("--model", default="mlp", help="Built-in model (mlp, mlp-large) or pkg.module:function returning an nn.Module.")
+@option("--data", default="spirals", help="Built-in data (spirals) or pkg.module:function(split) returning a Dataset.")
+@option("--max-duration", type=TimeType(), default="12ep", help="How long to train: ep, ba, sp or tok.")
+@option("--batch-size", type=int, default=64, help="Samples per optimizer step.")
+@option("--lr", type=float, default=3e-3, help="Peak learning rate (AdamW, cosine decay).")
+@option("--seed", type=int, default=17, help="Seed of rank 0 (rank r uses seed + r).")
+@option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", help="auto: cuda when present.")
+@option("--precision", type=click.Choice([p.value for p in Precision]), default="fp32", help="amp_* need a GPU.")
+@option("--grad-accum", type=int, default=1, help="Micro-batches per optimizer step (divides --batch-size).")
+@option("--eval-interval", type=IntervalType(), default="1ep", help="Evaluate every N ba/ep or wall-clock (90s).")
+@option("--log-interval", type=int, default=20, help="Log progress every N batches.")
+@option("--num-workers", type=int, default=0, help="DataLoader worker processes.")
+@option("--save-folder", type=click.Path(file_okay=False, path_type=Path), default=Path("checkpoints"),
+        help="Local checkpoint folder.")
+@option("--save-interval", type=IntervalType(), default="5m", help="Checkpoint every N ba/ep or wall clock (90s, 5m).")
+@option("--keep", type=int, default=3, help="Keep the newest N local checkpoints.")
+@option("--resume", default="auto", help="auto (newest complete checkpoint), never, or a checkpoint folder PATH.")
+@option("--log-format", type=click.Choice(["auto", "text", "json"]), default="auto",
+        help="auto: text on a terminal, JSON lines otherwise.")
+@option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info")
+def train(**o: Any) -> None:
+    """Train, checkpointing atomically, resuming from the newest complete checkpoint."""
+    setup_logging(o["log_format"], o["log_level"])
+    try:
+        cfg = TrainConfig(
+            model=o["model"], data=o["data"], max_duration=o["max_duration"], batch_size=o["batch_size"],
+            lr=o["lr"], seed=o["seed"], device=resolve_device(o["device"]), precision=Precision(o["precision"]),
+            grad_accum=o["grad_accum"], eval_interval=o["eval_interval"], log_interval=o["log_interval"],
+            num_workers=o["num_workers"],
+        )
+        ckpt = CheckpointConfig(folder=o["save_folder"], interval=o["save_interval"], keep=o["keep"], resume=o["resume"])
+    except (ValueError, PrecisionError) as e:
+        raise ConfigError(str(e)) from None
+    from job.app import train as run_training
+
+    run_training(cfg, ckpt)
+
+
+@cli.command()
+@click.argument("path")
+def inspect(path: str) -> None:
+    """Print one JSON line about a checkpoint: step, epoch, samples, model_sha256.
+
+    PATH is a checkpoint folder or a folder of checkpoints (the newest complete one is used).
+    """
+    from job.checkpoint import describe, open_checkpoint
+
+    folder, manifest = open_checkpoint(Path(path))
+    click.echo(json.dumps(describe(folder, manifest), sort_keys=True))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: click errors and JobErrors become one line on stderr and a documented exit code."""
+    try:
+        code = cli.main(args=argv, prog_name="job", standalone_mode=False)
+    except click.ClickException as e:
+        ctx_name = f"job {e.ctx.info_name} --help" if getattr(e, "ctx", None) and e.ctx.info_name != "job" else "job --help"
+        click.echo(f"job: error: {e.format_message()} (see '{ctx_name}')", err=True)
+        sys.exit(e.exit_code if e.exit_code else EXIT_USAGE)
+    except click.exceptions.Abort:
+        click.echo("job: aborted", err=True)
+        sys.exit(130)
+    except JobError as e:
+        logger.debug("job error", exc_info=True)
+        click.echo(f"job: error: {e}", err=True)
+        sys.exit(e.exit_code)
+    except PrecisionError as e:
+        click.echo(f"job: error: {e}", err=True)
+        sys.exit(EXIT_USAGE)
+    except Exception:
+        logger.exception("unexpected error (a bug: please report it with this traceback)")
+        sys.exit(EXIT_BUG)
+    sys.exit(code if isinstance(code, int) else 0)

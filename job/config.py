@@ -1,0 +1,61 @@
+"""Typed configuration, built once from the CLI options and validated at the edge.
+
+Nothing below the CLI reads the environment: every module gets one of these dataclasses.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from job.schedule import Interval
+from state import Precision, Time, TimeUnit
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model: str
+    data: str
+    max_duration: Time
+    batch_size: int
+    lr: float
+    seed: int
+    device: str  # resolved: "cpu" or "cuda"
+    precision: Precision
+    grad_accum: int
+    eval_interval: Interval
+    log_interval: int
+    num_workers: int
+
+    def __post_init__(self) -> None:
+        if self.max_duration.unit == TimeUnit.DURATION:
+            raise ValueError("--max-duration cannot be in 'dur'; use ep, ba, sp or tok")
+        if self.max_duration.value <= 0:
+            raise ValueError("--max-duration must be positive")
+        if self.batch_size < 1:
+            raise ValueError("--batch-size must be >= 1")
+        if self.grad_accum < 1 or self.batch_size % self.grad_accum:
+            raise ValueError(
+                f"--grad-accum {self.grad_accum} must be >= 1 and divide --batch-size {self.batch_size}"
+            )
+        if not self.lr > 0:
+            raise ValueError("--lr must be positive")
+        if self.log_interval < 1:
+            raise ValueError("--log-interval must be >= 1")
+        if self.num_workers < 0:
+            raise ValueError("--num-workers must be >= 0")
+        if self.precision != Precision.FP32 and self.device != "cuda":
+            raise ValueError(
+                f"--precision {self.precision.value} needs --device cuda (a GPU); use --precision fp32 on CPU"
+            )
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    folder: Path
+    interval: Interval
+    keep: int
+    resume: str  # "auto", "never", or a path to a checkpoint folder
+
+    def __post_init__(self) -> None:
+        if self.keep < 1:
+            raise ValueError("--keep must be >= 1")

@@ -1,0 +1,42 @@
+"""Errors the job reports at the CLI edge, each with its documented exit code.
+
+Exit codes (README, "Exit codes"; also used by k8s podFailurePolicy):
+  0   finished
+  1   unexpected error (a bug: the traceback is printed)
+  2   bad flags or configuration
+  3   storage refused the credentials (403, InvalidAccessKeyId, SignatureDoesNotMatch)
+  4   the bucket does not exist
+  5   storage unreachable after retries
+  6   a checkpoint cannot be used (corrupt, hostile, incompatible, or --resume PATH is not one)
+  7   a checkpoint cannot be written (disk full, permissions); the previous one is untouched
+  75  stopped to be resumed (preempted: SIGTERM/SIGINT after a final checkpoint)
+"""
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_BUG = 1
+EXIT_USAGE = 2
+EXIT_AUTH = 3
+EXIT_NO_BUCKET = 4
+EXIT_UNREACHABLE = 5
+EXIT_BAD_CHECKPOINT = 6
+EXIT_WRITE_FAILED = 7
+EXIT_PREEMPTED = 75
+
+
+class JobError(Exception):
+    """An error with a one-line message for the user and an exit code."""
+
+    exit_code = EXIT_BUG
+
+
+class ConfigError(JobError):
+    exit_code = EXIT_USAGE
+
+
+class CheckpointLoadError(JobError):
+    exit_code = EXIT_BAD_CHECKPOINT
+
+
+class CheckpointWriteError(JobError):
+    exit_code = EXIT_WRITE_FAILED

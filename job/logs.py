@@ -1,0 +1,73 @@
+"""Logging for the job: human text on a terminal, one JSON object per line elsewhere.
+
+Modules log with ``logging.getLogger(__name__)``; structured events go through :func:`event` so that
+both formats carry the same fields. Handlers are configured here only, called from the CLI.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from typing import Any
+
+_RESERVED = {"event", "fields"}
+
+
+def event(logger: logging.Logger, name: str, level: int = logging.INFO, **fields: Any) -> None:
+    """Log a structured event (``{"event": name, **fields}`` in JSON mode)."""
+    text = " ".join(f"{k}={_short(v)}" for k, v in fields.items())
+    logger.log(level, "%s %s", name, text, extra={"event": name, "fields": fields})
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_short(v)}" for k, v in value.items()) + "}"
+    return str(value)
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        doc: dict[str, Any] = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+        }
+        name = getattr(record, "event", None)
+        if name is not None:
+            doc["event"] = name
+            doc.update(getattr(record, "fields", {}))
+        else:
+            doc["message"] = record.getMessage()
+        if record.exc_info:
+            doc["exc"] = self.formatException(record.exc_info)
+        return json.dumps(doc, default=str)
+
+
+class TextFormatter(logging.Formatter):
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)-7s %(message)s", datefmt="%H:%M:%S")
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802
+        return time.strftime(datefmt or "%H:%M:%S", time.localtime(record.created))
+
+
+def resolve_format(fmt: str) -> str:
+    """``auto`` means text on a terminal and JSON when piped (containers, CI, log collectors)."""
+    if fmt == "auto":
+        return "text" if sys.stderr.isatty() else "json"
+    return fmt
+
+
+def setup_logging(fmt: str = "auto", level: str = "info") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if resolve_format(fmt) == "json" else TextFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    # botocore is chatty at INFO about credentials sources; keep it at WARNING.
+    for noisy in ("botocore", "boto3", "s3transfer", "urllib3"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    logging.captureWarnings(True)

@@ -1,0 +1,149 @@
+"""The training loop. It reads in one screen; checkpointing, evaluation cadence and stopping are
+delegated to the objects handed in."""
+from __future__ import annotations
+
+import logging
+import time
+from itertools import islice
+from typing import Any, Callable
+
+import torch
+
+from job.build import Run
+from job.logs import event
+from job.schedule import Interval
+from state import State
+
+logger = logging.getLogger(__name__)
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+def _split(batch: Any, parts: int) -> list[Any]:
+    """Micro-batches for gradient accumulation: every tensor in the batch cut along dim 0."""
+    if parts == 1:
+        return [batch]
+    if isinstance(batch, torch.Tensor):
+        return list(batch.chunk(parts))
+    if isinstance(batch, (list, tuple)):
+        return [type(batch)(p) for p in zip(*(_split(b, parts) for b in batch))]
+    if isinstance(batch, dict):
+        cols = {k: _split(v, parts) for k, v in batch.items()}
+        return [{k: cols[k][i] for k in cols} for i in range(parts)]
+    raise TypeError(f"cannot split a batch of type {type(batch).__name__} for gradient accumulation")
+
+
+def _metric_args(model: torch.nn.Module, outputs: torch.Tensor, batch: Any) -> tuple[Any, ...]:
+    custom = getattr(model, "metric_args", None)
+    return tuple(custom(outputs, batch)) if custom else (outputs, batch[1])
+
+
+def _batch_size(batch: Any) -> int:
+    first = batch[0] if isinstance(batch, (list, tuple)) else next(iter(batch.values())) if isinstance(batch, dict) else batch
+    return int(first.shape[0])
+
+
+class Trainer:
+    """Runs optimizer steps until max_duration, or until ``should_stop(state)`` says so after a step."""
+
+    def __init__(self, run: Run, eval_interval: Interval, log_interval: int,
+                 after_step: Callable[[State, bool], None],
+                 should_stop: Callable[[State], bool] = lambda state: False) -> None:
+        self.run, self.state = run, run.state
+        self.eval_interval, self.log_interval = eval_interval, log_interval
+        self.after_step, self.should_stop = after_step, should_stop
+        self._last_eval = time.monotonic()
+
+    def done(self) -> bool:
+        return self.state.timer.get(self.state.max_duration.unit) >= self.state.max_duration
+
+    def fit(self) -> None:
+        state = self.state
+        window_start, window_samples = time.perf_counter(), 0
+        while not self.done() and not self.should_stop(state):
+            epoch, start = state.data_position
+            self.run.sampler.set_epoch(epoch, start)
+            stepped = 0
+            for batch in islice(state.train_dataloader, state.steps_per_epoch - start):
+                loss = self.train_step(to_device(batch, self.run.device))
+                stepped += 1
+                window_samples += _batch_size(batch)
+                epoch_ended = state.timer.batch_in_epoch.value >= state.steps_per_epoch
+                if epoch_ended:
+                    self.end_epoch()
+                if state.timer.batch.value % self.log_interval == 0:
+                    elapsed = time.perf_counter() - window_start
+                    event(logger, "progress", step=state.timer.batch.value, epoch=state.timer.epoch.value,
+                          loss=round(loss.item(), 6), samples_per_sec=round(window_samples / max(elapsed, 1e-9), 1))
+                    window_start, window_samples = time.perf_counter(), 0
+                if self.eval_interval.due(state.timer, epoch_ended, time.monotonic() - self._last_eval) or self.done():
+                    self.evaluate()
+                self.after_step(state, epoch_ended)
+                if epoch_ended or self.done() or self.should_stop(state):
+                    break
+            if stepped == 0:
+                raise RuntimeError("the training data loader yielded no batches")
+
+    def train_step(self, batch: Any) -> torch.Tensor:
+        state, model = self.state, self.state.model
+        model.train()
+        optimizer = state.optimizers[0]
+        optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros((), device=self.run.device)
+        for micro in _split(batch, state.grad_accum):
+            state.batch = micro
+            with state.precision_context:
+                outputs = model(micro)
+                loss = model.loss(outputs, micro) / state.grad_accum
+            (state.scaler.scale(loss) if state.scaler else loss).backward()
+            total += loss.detach()
+            with torch.no_grad():
+                for metric in state.train_metrics.values():
+                    metric.update(*_metric_args(model, outputs.detach(), micro))
+        if state.scaler:
+            state.scaler.step(optimizer)
+            state.scaler.update()
+        else:
+            optimizer.step()
+        for scheduler in state.schedulers:
+            scheduler.step()
+        tokens = int(model.num_tokens(batch)) if hasattr(model, "num_tokens") else 0
+        state.timer.on_batch_complete(samples=_batch_size(batch), tokens=tokens)
+        return total
+
+    def end_epoch(self) -> None:
+        state = self.state
+        state.timer.on_epoch_complete()
+        if state.train_metrics:
+            state.current_metrics["train"] = {k: m.compute() for k, m in state.train_metrics.items()}
+            for metric in state.train_metrics.values():
+                metric.reset()
+
+    @torch.no_grad()
+    def evaluate(self) -> None:
+        state, model = self.state, self.state.model
+        model.eval()
+        for evaluator in state.evaluators:
+            for metric in evaluator.metrics.values():
+                metric.reset()
+            for batch in evaluator.dataloader:
+                batch = to_device(batch, self.run.device)
+                with state.precision_context:
+                    outputs = model(batch)
+                for metric in evaluator.metrics.values():
+                    metric.update(*_metric_args(model, outputs, batch))
+            state.current_metrics[evaluator.label] = {k: m.compute() for k, m in evaluator.metrics.items()}
+        model.train()
+        self._last_eval = time.monotonic()
+        if state.evaluators:
+            event(logger, "eval", step=state.timer.batch.value, epoch=state.timer.epoch.value,
+                  metrics={label: {k: round(float(v), 6) for k, v in metrics.items()}
+                           for label, metrics in state.current_metrics.items() if label != "train"})

@@ -1,0 +1,130 @@
+"""Checkpoint files: atomic commit, manifest contents, retention, corrupt and hostile checkpoints."""
+from __future__ import annotations
+
+import json
+import logging
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from job.app import train
+from job.checkpoint import STATE_FILE, Checkpointer, describe, load_state_file, model_sha256, open_checkpoint
+from job.exceptions import CheckpointLoadError
+from tests.support.jobs import ckpt_config
+from uploader import local
+from uploader.hashing import sha256_file
+from uploader.manifest import FORMAT_VERSION, FileEntry, Manifest
+
+
+@pytest.fixture
+def saved(tiny_config, ckpt_dir):
+    """A run of 40 batches that saved every 10, keeping 3: steps 20, 30, 40 remain."""
+    state = train(tiny_config(max_duration="40ba"), ckpt_config(ckpt_dir, interval="10ba", keep=3))
+    return state, ckpt_dir
+
+
+def test_checkpoints_are_committed_with_a_manifest_and_pruned(saved):
+    state, folder = saved
+    assert [c.step for c in local.list_committed(folder)] == [20, 30, 40]
+    assert not [p for p in folder.iterdir() if p.name.startswith(local.STAGING_PREFIX)]
+    newest = folder / local.checkpoint_name(40)
+    doc = json.loads((newest / "manifest.json").read_text())
+    assert doc["format_version"] == FORMAT_VERSION
+    assert doc["step"] == 40
+    assert doc["timer"] == state.timer.state_dict()
+    (entry,) = doc["files"]
+    assert (entry["size"], entry["sha256"]) == sha256_file(newest / STATE_FILE)
+    assert doc["meta"]["seed"] == 7
+
+
+def test_newest_complete_checkpoint_is_chosen(saved):
+    _, folder = saved
+    found = Checkpointer(folder, 3, {}).newest()
+    assert found is not None and found[0].step == 40
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", [_truncate, _flip_byte, lambda p: p.unlink()], ids=["truncated", "bitflip", "missing"])
+def test_corrupt_newest_is_skipped_with_a_warning(saved, damage, caplog):
+    _, folder = saved
+    damage(folder / local.checkpoint_name(40) / STATE_FILE)
+    with caplog.at_level(logging.WARNING):
+        found = Checkpointer(folder, 3, {}).newest()
+    assert found is not None and found[0].step == 30
+    assert any("skipping corrupt checkpoint" in r.getMessage() for r in caplog.records)
+
+
+def test_incomplete_checkpoint_without_manifest_is_invisible(saved):
+    _, folder = saved
+    (folder / local.checkpoint_name(40) / "manifest.json").unlink()
+    assert [c.step for c in local.list_committed(folder)] == [20, 30]
+
+
+def test_resume_after_corruption_uses_previous_checkpoint(tiny_config, saved):
+    _, folder = saved
+    _flip_byte(folder / local.checkpoint_name(40) / STATE_FILE)
+    state = train(tiny_config(max_duration="40ba"), ckpt_config(folder, interval="10ba"),
+                  should_stop=lambda s: True)
+    assert state.timer.batch.value == 30  # resumed from the previous checkpoint, not from scratch
+
+
+class _Exploit:
+    def __init__(self, sentinel: Path) -> None:
+        self.sentinel = sentinel
+
+    def __reduce__(self):
+        return (Path.touch, (self.sentinel,))
+
+
+def write_hostile_checkpoint(folder: Path, sentinel: Path) -> Path:
+    """A checkpoint whose manifest is valid but whose state file runs code when unpickled."""
+    staging = local.staging_dir(folder, 5)
+    with open(staging / STATE_FILE, "wb") as f:
+        torch.save({"model": _Exploit(sentinel)}, f)
+    size, digest = sha256_file(staging / STATE_FILE)
+    return local.commit(staging, Manifest(step=5, files=(FileEntry(STATE_FILE, size, digest),))).path
+
+
+def test_hostile_pickle_is_refused_and_never_executed(tmp_path):
+    sentinel = tmp_path / "pwned"
+    path = write_hostile_checkpoint(tmp_path / "ckpts", sentinel)
+    with pytest.raises(CheckpointLoadError, match="refusing to load .* pickled code"):
+        load_state_file(path)
+    assert not sentinel.exists()
+    # Plain pickle of the same object would have run it: the test object really is hostile.
+    pickle.loads(pickle.dumps(_Exploit(sentinel)))
+    assert sentinel.exists()
+
+
+def test_describe_reports_position_and_model_hash(saved):
+    state, folder = saved
+    path, manifest = open_checkpoint(folder)
+    info = describe(path, manifest)
+    assert (info["step"], info["epoch"], info["samples"]) == (40, 0, 40 * 64)
+    assert info["model_sha256"] == model_sha256(state.model.state_dict())
+
+
+def test_model_sha256_changes_with_any_weight():
+    sd = {"w": torch.zeros(3), "b": torch.ones(2)}
+    before = model_sha256(sd)
+    sd["w"][1] = 1e-30
+    assert model_sha256(sd) != before
+
+
+def test_open_checkpoint_refuses_a_non_checkpoint(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointLoadError, match="no complete checkpoint"):
+        open_checkpoint(tmp_path / "empty")
+    with pytest.raises(CheckpointLoadError, match="not a checkpoint folder"):
+        open_checkpoint(tmp_path / "nope")

@@ -1,0 +1,124 @@
+"""The `job` command as users run it: flags, env vars, errors, logs, inspect."""
+from __future__ import annotations
+
+import json
+import resource
+import signal
+
+import pytest
+
+from job.cli import main
+from tests.support.jobs import events, inspect, job_env, run_job
+from uploader import local
+
+TINY_ARGS = ["--max-duration", "30ba", "--batch-size", "64", "--eval-interval", "10ba", "--seed", "3"]
+
+
+def run_main(capsys, *argv: str) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exc:
+        main(list(argv))
+    out, err = capsys.readouterr()
+    return exc.value.code, out, err
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["train", "--max-duration", "10xx"], "--max-duration"),
+        (["train", "--max-duration", "0.5dur"], "dur"),
+        (["train", "--device", "gpu"], "--device"),
+        (["train", "--batch-size", "0"], "--batch-size"),
+        (["train", "--grad-accum", "3"], "--grad-accum"),
+        (["train", "--save-interval", "5q"], "--save-interval"),
+        (["train", "--keep", "0"], "--keep"),
+        (["train", "--precision", "amp_bf16", "--device", "cpu"], "--precision"),
+        (["train", "--model", "no_such_pkg.mod:fn"], "--model"),
+        (["train", "--data", "spirals-but-typo"], "--data"),
+        (["train", "--bogus"], "--bogus"),
+        (["inspect", "/nonexistent/checkpoint"], "/nonexistent/checkpoint"),
+    ],
+)
+def test_bad_input_gives_one_clear_line_and_nonzero_exit(capsys, tmp_path, monkeypatch, argv, needle):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_main(capsys, *argv)
+    assert code not in (0, None)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("job: error:") and needle in lines[0]
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_every_option_has_an_env_var_and_shows_its_default(capsys):
+    code, out, _ = run_main(capsys, "train", "--help")
+    assert code == 0
+    for env in ("JOB_MAX_DURATION", "JOB_SAVE_FOLDER", "JOB_SAVE_INTERVAL", "JOB_RESUME", "JOB_LOG_FORMAT"):
+        assert env in out
+    assert "JOB_SAVE_INTERVAL; default: 5m]" in " ".join(out.split())
+
+
+def test_env_var_sets_an_option(capsys, monkeypatch):
+    monkeypatch.setenv("JOB_MAX_DURATION", "12parsecs")
+    code, _, err = run_main(capsys, "train")
+    assert code == 2 and "12parsecs" in err
+
+
+def test_train_logs_json_events_and_inspect_reports_the_checkpoint(tmp_path):
+    folder = tmp_path / "ck"
+    done = run_job("train", *TINY_ARGS, "--save-folder", str(folder), "--save-interval", "10ba")
+    assert done.returncode == 0, done.stderr
+    names = [e.get("event") for e in events(done.stderr)]
+    assert names.count("checkpoint") == 3 and names[-1] == "finished" and "progress" in names and "eval" in names
+    assert "resumed" not in names
+    info = inspect(folder)
+    assert (info["step"], info["epoch"], info["samples"]) == (30, 0, 30 * 64)
+    assert len(info["model_sha256"]) == 64
+    assert local.read_finished(folder) == 30
+
+    again = run_job("train", *TINY_ARGS, "--save-folder", str(folder), "--max-duration", "40ba")
+    assert again.returncode == 0, again.stderr
+    resumed = [e for e in events(again.stderr) if e.get("event") == "resumed"]
+    assert resumed == [resumed[0]] and resumed[0]["step"] == 30 and str(folder) in resumed[0]["source"]
+
+
+def test_hostile_checkpoint_is_refused_by_the_cli(tmp_path):
+    from tests.job.test_checkpoint import write_hostile_checkpoint
+
+    sentinel = tmp_path / "pwned"
+    path = write_hostile_checkpoint(tmp_path / "ck", sentinel)
+    for argv in (["train", *TINY_ARGS, "--resume", str(path), "--save-folder", str(tmp_path / "out")],
+                 ["inspect", str(path)]):
+        done = run_job(*argv)
+        assert done.returncode == 6, done.stderr
+        assert "pickled code" in done.stderr.strip().splitlines()[-1]
+    assert not sentinel.exists()
+
+
+def _limit_file_size(limit: int):
+    def apply() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG, like a full disk
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return apply
+
+
+def test_full_disk_fails_clearly_and_keeps_the_last_good_checkpoint(tmp_path):
+    folder = tmp_path / "ck"
+    assert run_job("train", *TINY_ARGS, "--save-folder", str(folder)).returncode == 0
+    before = inspect(folder)
+    done = run_job("train", *TINY_ARGS, "--max-duration", "60ba", "--save-folder", str(folder),
+                   "--save-interval", "10ba", preexec_fn=_limit_file_size(16 * 1024))
+    assert done.returncode == 7, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("job: error: cannot write a checkpoint") and "previous checkpoint is untouched" in last
+    assert inspect(folder) == before
+    assert not [p for p in folder.iterdir() if p.name.startswith(local.STAGING_PREFIX)]
+
+
+def test_default_run_learns(tmp_path):
+    """`job train` with no arguments: the built-in model visibly learns (eval accuracy rises)."""
+    done = run_job("train", cwd=tmp_path, env=job_env())
+    assert done.returncode == 0, done.stderr
+    accuracy = [e["metrics"]["eval"]["accuracy"] for e in events(done.stderr) if e.get("event") == "eval"]
+    assert len(accuracy) >= 10
+    assert accuracy[0] < 0.8 < accuracy[-1]
+    assert (tmp_path / "checkpoints").is_dir()
+    assert json.loads((tmp_path / "checkpoints" / "FINISHED").read_text())["step"] == 12 * 48

@@ -1,0 +1,56 @@
+"""Bit-exact resume: training interrupted and resumed equals training straight through."""
+from __future__ import annotations
+
+import pytest
+
+from job.app import train
+from tests.support.jobs import assert_states_equal, ckpt_config
+
+BATCHES_PER_EPOCH = 48  # spirals: 3072 samples / 64
+
+
+@pytest.fixture
+def straight(tiny_config, tmp_path):
+    return train(tiny_config(), ckpt_config(tmp_path / "straight"))
+
+
+def _train_with_stops(cfg, folder, stops):
+    for stop in stops:
+        stopped = train(cfg, ckpt_config(folder), should_stop=lambda s, stop=stop: s.timer.batch.value >= stop)
+        assert stopped.timer.batch.value == stop
+    return train(cfg, ckpt_config(folder))
+
+
+@pytest.mark.parametrize(
+    "stops",
+    [[1], [25], [30], [BATCHES_PER_EPOCH], [BATCHES_PER_EPOCH + 1], [9, 33, 50, 69]],
+    ids=["after-first-step", "right-after-eval", "mid-epoch", "epoch-boundary", "second-epoch", "four-stops"],
+)
+def test_resumed_run_equals_uninterrupted_run(tiny_config, tmp_path, straight, stops):
+    resumed = _train_with_stops(tiny_config(), tmp_path / "resumed", stops)
+    assert resumed.timer.batch.value == 70
+    assert_states_equal(straight, resumed)
+
+
+def test_interruption_changes_nothing_even_with_periodic_checkpoints(tiny_config, tmp_path, straight):
+    # Saving every few batches must not perturb the run (no RNG draws, no data-order change).
+    folder = tmp_path / "periodic"
+    cfg = tiny_config()
+    train(cfg, ckpt_config(folder, interval="7ba"), should_stop=lambda s: s.timer.batch.value >= 40)
+    resumed = train(cfg, ckpt_config(folder, interval="7ba"))
+    assert_states_equal(straight, resumed)
+
+
+def test_finished_run_restarted_does_no_more_work(tiny_config, tmp_path):
+    folder = tmp_path / "done"
+    first = train(tiny_config(), ckpt_config(folder))
+    again = train(tiny_config(), ckpt_config(folder))
+    assert again.timer.batch.value == first.timer.batch.value == 70
+    assert_states_equal(first, again)
+
+
+def test_resume_never_starts_from_scratch(tiny_config, tmp_path, straight):
+    folder = tmp_path / "never"
+    train(tiny_config(), ckpt_config(folder), should_stop=lambda s: s.timer.batch.value >= 20)
+    fresh = train(tiny_config(), ckpt_config(folder, resume="never"))
+    assert_states_equal(straight, fresh)

@@ -1,0 +1,85 @@
+"""Helpers to build tiny training configs and run the `job` CLI as a real process."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from job.config import CheckpointConfig, TrainConfig
+from job.schedule import Interval
+from state import Precision, State, Time
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Small enough to run in about a second on two cores; dropout makes RNG restore matter.
+TINY = TrainConfig(
+    model="mlp", data="spirals", max_duration=Time.from_timestring("70ba"), batch_size=64, lr=3e-3, seed=7,
+    device="cpu", precision=Precision.FP32, grad_accum=2, eval_interval=Interval.parse("25ba"),
+    log_interval=10, num_workers=0,
+)
+
+
+def train_config(**overrides: Any) -> TrainConfig:
+    if isinstance(overrides.get("max_duration"), str):
+        overrides["max_duration"] = Time.from_timestring(overrides["max_duration"])
+    return replace(TINY, **overrides)
+
+
+def ckpt_config(folder: Path, interval: str = "1000ba", keep: int = 3, resume: str = "auto") -> CheckpointConfig:
+    return CheckpointConfig(folder=folder, interval=Interval.parse(interval), keep=keep, resume=resume)
+
+
+def assert_states_equal(a: State, b: State) -> None:
+    """Bit-for-bit: parameters, optimizer state, timer, train metric states and computed metrics."""
+    for (name, pa), (_, pb) in zip(a.model.state_dict().items(), b.model.state_dict().items(), strict=True):
+        assert torch.equal(pa, pb), f"parameter {name} differs"
+    for oa, ob in zip(a.optimizers, b.optimizers, strict=True):
+        for sa, sb in zip(oa.state.values(), ob.state.values(), strict=True):
+            for key in sa:
+                assert torch.equal(torch.as_tensor(sa[key]), torch.as_tensor(sb[key])), f"optimizer {key} differs"
+    assert a.timer.state_dict() == b.timer.state_dict()
+    for name in a.train_metrics:
+        assert torch.equal(a.train_metrics[name].compute(), b.train_metrics[name].compute()), f"metric {name}"
+    assert a.current_metrics.keys() == b.current_metrics.keys()
+    for label, metrics in a.current_metrics.items():
+        for key, value in metrics.items():
+            assert torch.equal(value, b.current_metrics[label][key]), f"{label}/{key} differs"
+
+
+def job_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JOB_", "UPLOADER_"))}
+    env.update(PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def job_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "job", *args]
+
+
+def run_job(*args: str, env: dict[str, str] | None = None, timeout: float = 120, **kw: Any) -> subprocess.CompletedProcess:
+    return subprocess.run(job_cmd(*args), env=env or job_env(), capture_output=True, text=True, timeout=timeout,
+                          cwd=kw.pop("cwd", REPO), **kw)
+
+
+def events(stderr: str) -> list[dict[str, Any]]:
+    """The JSON log lines a job printed (non-TTY runs log JSON)."""
+    out = []
+    for line in stderr.splitlines():
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+    return out
+
+
+def inspect(path: Path) -> dict[str, Any]:
+    done = run_job("inspect", str(path))
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
