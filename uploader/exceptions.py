@@ -1,4 +1,8 @@
-"""Errors of the storage side. Each says what is wrong and what to do, in one line."""
+"""Errors of the storage side. Each says what is wrong and what to do, in one line.
+
+The CLI maps each class to one exit code (see uploader.cli); library callers (the job) catch the
+class they can act on. Messages name the bucket and endpoint but never a credential.
+"""
 from __future__ import annotations
 
 
@@ -12,3 +16,27 @@ class ManifestError(UploaderError):
 
 class CorruptCheckpoint(UploaderError):
     """A checkpoint whose files do not match its manifest (size or sha256), or are missing."""
+
+
+class NoCheckpointFound(UploaderError):
+    """A pull found no complete checkpoint that verifies under the remote prefix."""
+
+
+class StorageError(UploaderError):
+    """The storage refused a request for a reason that retrying will not fix (and that is not one below)."""
+
+
+class AuthError(StorageError):
+    """Missing or wrong credentials, or the credentials may not access the bucket (403). Never retried."""
+
+
+class BucketNotFound(StorageError):
+    """The bucket (or, for file://, the folder above the remote path) does not exist. Never retried."""
+
+
+class TransientStorageError(StorageError):
+    """The storage stayed unreachable, slow or throttling after every retry the UploadConfig allows."""
+
+
+class Aborted(UploaderError):
+    """A transfer was stopped on request (grace period over, uploader closed); the remote is unchanged."""

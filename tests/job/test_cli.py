@@ -119,6 +119,6 @@ def test_default_run_learns(tmp_path):
     assert done.returncode == 0, done.stderr
     accuracy = [e["metrics"]["eval"]["accuracy"] for e in events(done.stderr) if e.get("event") == "eval"]
     assert len(accuracy) >= 10
-    assert accuracy[0] < 0.8 < accuracy[-1]
+    assert accuracy[-1] > 0.95 and accuracy[-1] > accuracy[0] + 0.1
     assert (tmp_path / "checkpoints").is_dir()
     assert json.loads((tmp_path / "checkpoints" / "FINISHED").read_text())["step"] == 12 * 48
