@@ -1,7 +1,7 @@
-"""One training job from start to finish: build, resume, train, checkpoint on cadence, finish.
+"""One training job from start to finish: build, resume, train, checkpoint on cadence, finish or stop.
 
-The CLI hands in validated configs; this module wires the components and owns no policy of its own
-beyond the order of events.
+The CLI hands in validated configs; this module wires the components (checkpointer, remote store,
+stop request, spot notices) and owns only the order of events.
 """
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -19,10 +19,16 @@ from job.config import CheckpointConfig, TrainConfig
 from job.exceptions import ConfigError
 from job.logs import event
 from job.loop import Trainer
+from job.signals import StopRequest
+from job.spot import SpotWatcher
+from job.storage import RemoteConfig, RemoteStore
 from state import State, TimeUnit
 from uploader import local
 
 logger = logging.getLogger(__name__)
+
+# Margin kept between the end of our own work and the deadline (the kill): process exit, log flush.
+EXIT_MARGIN_SECONDS = 1.0
 
 
 def run_meta(cfg: TrainConfig) -> dict[str, Any]:
@@ -39,12 +45,20 @@ def run_meta(cfg: TrainConfig) -> dict[str, Any]:
 
 
 @dataclass
+class Outcome:
+    state: State
+    preempted: bool
+
+
+@dataclass
 class CheckpointCadence:
-    """Decides after each step whether a checkpoint is due, and remembers what was saved last."""
+    """Decides after each step whether a checkpoint is due; hands each committed one to the uploader."""
 
     checkpointer: Checkpointer
     cfg: CheckpointConfig
+    store: RemoteStore | None = None
     last_step: int | None = None
+    last_seconds: float | None = None
     _clock: float = field(default_factory=time.monotonic)
 
     def after_step(self, state: State, epoch_ended: bool) -> None:
@@ -52,50 +66,137 @@ class CheckpointCadence:
             self.save(state)
 
     def save(self, state: State) -> None:
-        self.checkpointer.save(state)
+        started = time.monotonic()
+        ckpt = self.checkpointer.save(state)
+        self.last_seconds = time.monotonic() - started
         self.last_step = state.timer.batch.value
         self._clock = time.monotonic()
+        if self.store is not None:
+            self.store.submit(ckpt)
 
-    def save_final(self, state: State) -> None:
-        if self.last_step != state.timer.batch.value:
-            self.save(state)
+    def saved_now(self, state: State) -> bool:
+        return self.last_step == state.timer.batch.value
+
+    def estimate_seconds(self, state: State) -> float:
+        """How long a save will take: the last one, or the state's size at a conservative 200 MB/s."""
+        if self.last_seconds is not None:
+            return self.last_seconds
+        tensors = [p for p in state.model.parameters()]
+        for opt in state.optimizers:
+            tensors += [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        return sum(t.numel() * t.element_size() for t in tensors) / 200e6 + 0.2
 
 
-def resume(state: State, cfg: CheckpointConfig, checkpointer: Checkpointer, meta: dict[str, Any]) -> bool:
+@dataclass
+class SpotHandler:
+    """On a spot notice: checkpoint (and upload) at once, keep training, stop when the deadline nears."""
+
+    watcher: SpotWatcher
+    cadence: CheckpointCadence
+    stop: StopRequest
+    deadline: float | None = None  # wall clock
+
+    def after_step(self, state: State) -> None:
+        notice = self.watcher.take()
+        if notice is not None:
+            left = None if notice.deadline is None else round(notice.deadline - time.time(), 1)
+            event(logger, "spot_notice", provider=notice.provider, kind=notice.kind, seconds_left=left,
+                  step=state.timer.batch.value)
+            if not self.cadence.saved_now(state):
+                self.cadence.save(state)
+            if notice.deadline is not None:
+                self.deadline = notice.deadline if self.deadline is None else min(self.deadline, notice.deadline)
+        if self.deadline is not None and not self.stop.requested:
+            left = self.deadline - time.time()
+            if left <= self.stop.grace_period:
+                self.stop.request(f"spot notice ({left:.0f}s left)", seconds_left=max(left, 0.0))
+
+
+def resume(state: State, cfg: CheckpointConfig, checkpointer: Checkpointer, meta: dict[str, Any],
+           store: RemoteStore | None) -> bool:
     if cfg.resume == "never":
         if local.list_committed(cfg.folder):
             logger.warning("--resume never: ignoring the checkpoints already in %s", cfg.folder)
         return False
+    source: str
     if cfg.resume == "auto":
+        pulled = store.pull_if_newer(cfg.folder) if store is not None else None
         found = checkpointer.newest()
         if found is None:
             return False
         folder, manifest = found[0].path, found[1]
+        source = store.describe(pulled) if pulled is not None and pulled.step == found[0].step else str(folder)
     else:
         folder, manifest = open_checkpoint(Path(cfg.resume))
+        source = str(folder)
     restore(state, folder, manifest, meta)
-    event(logger, "resumed", step=state.timer.batch.value, epoch=state.timer.epoch.value, source=str(folder))
+    event(logger, "resumed", step=state.timer.batch.value, epoch=state.timer.epoch.value, source=source)
     return True
 
 
-def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig,
-          should_stop: Callable[[State], bool] = lambda state: False) -> State:
-    """Train to max_duration (or until ``should_stop``), always ending with a committed checkpoint."""
+def _stop_for_preemption(state: State, cadence: CheckpointCadence, store: RemoteStore | None,
+                         stop: StopRequest) -> None:
+    """Within the grace period: a final checkpoint, its upload, and a clear account of what was kept."""
+    step = state.timer.batch.value
+    if not cadence.saved_now(state):
+        needed = cadence.estimate_seconds(state) * 1.5 + EXIT_MARGIN_SECONDS
+        left = stop.time_left()
+        if left < needed:
+            event(logger, "grace_too_short", level=logging.WARNING, step=step, seconds_left=round(left, 1),
+                  seconds_needed=round(needed, 1), kept_step=cadence.last_step,
+                  message="no time for a final checkpoint; exiting before the kill with the previous one")
+        else:
+            cadence.save(state)
+    uploaded = True
+    if store is not None and cadence.last_step is not None:
+        uploaded = store.wait(max(stop.time_left() - EXIT_MARGIN_SECONDS, 0.0))
+        if not uploaded:
+            logger.warning("the final checkpoint did not finish uploading within the grace period; it stays in "
+                           "%s for a sidecar or the next start", cadence.checkpointer.folder)
+    if cadence.last_step is not None:
+        local.mark_finished(cadence.checkpointer.folder, cadence.last_step)
+    event(logger, "preempted", step=step, checkpoint_step=cadence.last_step, uploaded=uploaded, reason=stop.reason)
+
+
+def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig | None = None,
+          stop: StopRequest | None = None, spot: SpotWatcher | None = None) -> Outcome:
+    """Train to max_duration, or until ``stop`` is requested; always ending on a committed checkpoint."""
     run = build(cfg)
     state = run.state
     if cfg.max_duration.unit == TimeUnit.TOKEN and not hasattr(state.model, "num_tokens"):
         raise ConfigError(f"--max-duration {cfg.max_duration} counts tokens, but --model {cfg.model!r} has no num_tokens(batch)")
+    stop = stop or StopRequest(grace_period=float("inf"))
     meta = run_meta(cfg)
-    checkpointer = Checkpointer(ckpt_cfg.folder, ckpt_cfg.keep, meta)
-    cadence = CheckpointCadence(checkpointer, ckpt_cfg)
-    if resume(state, ckpt_cfg, checkpointer, meta):
-        cadence.last_step = state.timer.batch.value
-    local.clear_finished(ckpt_cfg.folder)
-    event(logger, "start", step=state.timer.batch.value, max_duration=str(state.max_duration),
-          device=cfg.device, precision=cfg.precision.value, parameters=sum(p.numel() for p in state.model.parameters()))
-    Trainer(run, cfg.eval_interval, cfg.log_interval, after_step=cadence.after_step, should_stop=should_stop).fit()
-    cadence.save_final(state)
-    local.mark_finished(ckpt_cfg.folder, state.timer.batch.value)
-    event(logger, "finished", step=state.timer.batch.value, epoch=state.timer.epoch.value,
-          metrics={label: {k: round(float(v), 6) for k, v in m.items()} for label, m in state.current_metrics.items()})
-    return state
+    store = RemoteStore(remote_cfg) if remote_cfg is not None and remote_cfg.url else None
+    try:
+        checkpointer = Checkpointer(ckpt_cfg.folder, ckpt_cfg.keep, meta,
+                                    protect=store.pending if store is not None else None)
+        cadence = CheckpointCadence(checkpointer, ckpt_cfg, store)
+        if resume(state, ckpt_cfg, checkpointer, meta, store):
+            cadence.last_step = state.timer.batch.value
+        local.clear_finished(ckpt_cfg.folder)
+        spot_handler = SpotHandler(spot, cadence, stop) if spot is not None else None
+
+        def after_step(state: State, epoch_ended: bool) -> None:
+            cadence.after_step(state, epoch_ended)
+            if spot_handler is not None:
+                spot_handler.after_step(state)
+
+        event(logger, "start", step=state.timer.batch.value, max_duration=str(state.max_duration),
+              device=cfg.device, precision=cfg.precision.value,
+              parameters=sum(p.numel() for p in state.model.parameters()))
+        Trainer(run, cfg.eval_interval, cfg.log_interval, after_step=after_step, should_stop=stop.should_stop).fit()
+        if stop.requested:
+            _stop_for_preemption(state, cadence, store, stop)
+            return Outcome(state, preempted=True)
+        if not cadence.saved_now(state):
+            cadence.save(state)
+        if store is not None:
+            store.wait(None)
+        local.mark_finished(ckpt_cfg.folder, state.timer.batch.value)
+        event(logger, "finished", step=state.timer.batch.value, epoch=state.timer.epoch.value,
+              metrics={label: {k: round(float(v), 6) for k, v in m.items()} for label, m in state.current_metrics.items()})
+        return Outcome(state, preempted=False)
+    finally:
+        if store is not None:
+            store.close(timeout=0 if stop.requested else None)

@@ -13,7 +13,7 @@ import pickle
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -35,10 +35,12 @@ RESULT_SETTINGS = ("model", "data", "batch_size", "seed", "grad_accum", "world_s
 class Checkpointer:
     """Writes checkpoints of a State into one folder and keeps the newest ``keep``."""
 
-    def __init__(self, folder: Path, keep: int, meta: dict[str, Any]) -> None:
+    def __init__(self, folder: Path, keep: int, meta: dict[str, Any],
+                 protect: Callable[[], set[Path]] | None = None) -> None:
         self.folder = folder
         self.keep = keep
         self.meta = meta
+        self.protect = protect or set
 
     def save(self, state: State) -> local.LocalCheckpoint:
         """Write, fsync and commit a checkpoint of ``state``; on any OSError the previous ones stay as they were."""
@@ -71,7 +73,7 @@ class Checkpointer:
                 f"cannot write a checkpoint to {self.folder}: {e.strerror or e}; free disk space or fix "
                 "permissions (the previous checkpoint is untouched)"
             ) from None
-        local.prune(self.folder, self.keep)
+        local.prune(self.folder, self.keep, protect=self.protect())
         event(logger, "checkpoint", step=step, path=str(ckpt.path), bytes=writer.size,
               seconds=round(time.perf_counter() - started, 3))
         return ckpt

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -16,10 +17,15 @@ import click
 import torch
 
 from job.config import CheckpointConfig, TrainConfig
-from job.exceptions import EXIT_BUG, EXIT_USAGE, ConfigError, JobError
+from job.exceptions import EXIT_BUG, EXIT_PREEMPTED, EXIT_USAGE, ConfigError, JobError
 from job.logs import setup_logging
 from job.schedule import Interval
+from job.signals import StopRequest
+from job.storage import UPLOAD_MODES, RemoteConfig
 from state import Precision, PrecisionError, Time
+from uploader.cli import exit_code as storage_exit_code
+from uploader.config import ADDRESSING_STYLES, UploadConfig
+from uploader.exceptions import UploaderError
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +95,17 @@ def cli() -> None:
 @option("--save-interval", type=IntervalType(), default="5m", help="Checkpoint every N ba/ep or wall clock (90s, 5m).")
 @option("--keep", type=int, default=3, help="Keep the newest N local checkpoints.")
 @option("--resume", default="auto", help="auto (newest complete checkpoint), never, or a checkpoint folder PATH.")
+@option("--remote", default=None, help="s3://bucket/prefix or file:///path: pull on start-up, upload checkpoints.")
+@option("--upload", type=click.Choice(UPLOAD_MODES), default="inprocess",
+        help="inprocess: upload in a background thread; sidecar: leave it to `uploader watch`; off.")
+@option("--endpoint-url", default=None, help="S3 endpoint (MinIO, SeaweedFS, ...); AWS_ENDPOINT_URL is honoured too.")
+@option("--addressing", type=click.Choice(ADDRESSING_STYLES), default="auto", help="S3 addressing; path for MinIO.")
+@option("--grace-period", type=click.FloatRange(min=0), default=25.0,
+        help="Seconds from SIGTERM to exit: final checkpoint and upload must fit (k8s default grace is 30 s).")
+@option("--spot-notice", type=click.Choice(["off", "aws", "gcp", "auto"]), default="off",
+        help="Poll the cloud metadata server for spot interruption notices.")
+@option("--spot-endpoint", default=None, help="Metadata server base URL (default: the cloud's own).")
+@option("--spot-poll-interval", type=click.FloatRange(min=0.1), default=5.0, help="Seconds between notice polls.")
 @option("--log-format", type=click.Choice(["auto", "text", "json"]), default="auto",
         help="auto: text on a terminal, JSON lines otherwise.")
 @option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info")
@@ -103,24 +120,67 @@ def train(**o: Any) -> None:
             num_workers=o["num_workers"],
         )
         ckpt = CheckpointConfig(folder=o["save_folder"], interval=o["save_interval"], keep=o["keep"], resume=o["resume"])
+        remote = RemoteConfig(url=o["remote"], mode=o["upload"], upload=UploadConfig(
+            endpoint_url=o["endpoint_url"], addressing=o["addressing"], keep=o["keep"]))
     except (ValueError, PrecisionError) as e:
         raise ConfigError(str(e)) from None
     from job.app import train as run_training
+    from job.spot import SpotWatcher, make_source
 
-    run_training(cfg, ckpt)
+    stop = StopRequest(grace_period=o["grace_period"])
+    stop.install()
+    source = make_source(o["spot_notice"], o["spot_endpoint"])
+    spot = SpotWatcher(source, o["spot_poll_interval"]) if source is not None else None
+    if spot is not None:
+        spot.start()
+    try:
+        outcome = run_training(cfg, ckpt, remote, stop=stop, spot=spot)
+    finally:
+        if spot is not None:
+            spot.close()
+        stop.uninstall()
+    if outcome.preempted:
+        sys.exit(EXIT_PREEMPTED)
 
 
 @cli.command()
 @click.argument("path")
-def inspect(path: str) -> None:
+@option("--endpoint-url", default=None, help="S3 endpoint for s3:// paths; AWS_ENDPOINT_URL is honoured too.")
+@option("--addressing", type=click.Choice(ADDRESSING_STYLES), default="auto", help="S3 addressing style.")
+def inspect(path: str, endpoint_url: str | None, addressing: str) -> None:
     """Print one JSON line about a checkpoint: step, epoch, samples, model_sha256.
 
-    PATH is a checkpoint folder or a folder of checkpoints (the newest complete one is used).
+    PATH is a checkpoint folder, a folder of checkpoints, or a remote URL (s3://bucket/prefix,
+    file:///path); for the last two the newest complete checkpoint is used.
     """
     from job.checkpoint import describe, open_checkpoint
 
-    folder, manifest = open_checkpoint(Path(path))
-    click.echo(json.dumps(describe(folder, manifest), sort_keys=True))
+    if "://" in path:
+        with tempfile.TemporaryDirectory(prefix="job-inspect-") as tmp:
+            info = describe_remote(path, Path(tmp), endpoint_url, addressing)
+    else:
+        folder, manifest = open_checkpoint(Path(path))
+        info = describe(folder, manifest)
+    click.echo(json.dumps(info, sort_keys=True))
+
+
+def describe_remote(url: str, tmp: Path, endpoint_url: str | None, addressing: str) -> dict[str, Any]:
+    """Pull the newest complete, verified checkpoint under ``url`` into ``tmp`` and describe it."""
+    from job.checkpoint import describe, open_checkpoint
+    from uploader.exceptions import NoCheckpointFound
+    from uploader.remote import open_remote
+    from uploader.sync import pull_newest
+
+    remote = open_remote(url, UploadConfig(endpoint_url=endpoint_url, addressing=addressing))
+    try:
+        pulled = pull_newest(remote, tmp)
+    finally:
+        remote.close()
+    if pulled is None:
+        raise NoCheckpointFound(f"no complete checkpoint under {url}")
+    info = describe(*open_checkpoint(pulled.path))
+    info["path"] = f"{url.rstrip('/')}/{pulled.name}"
+    return info
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -138,6 +198,10 @@ def main(argv: list[str] | None = None) -> None:
         logger.debug("job error", exc_info=True)
         click.echo(f"job: error: {e}", err=True)
         sys.exit(e.exit_code)
+    except UploaderError as e:
+        logger.debug("storage error", exc_info=True)
+        click.echo(f"job: error: {e}", err=True)
+        sys.exit(storage_exit_code(e))
     except PrecisionError as e:
         click.echo(f"job: error: {e}", err=True)
         sys.exit(EXIT_USAGE)

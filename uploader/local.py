@@ -19,6 +19,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Collection
 
 from uploader.exceptions import CorruptCheckpoint, ManifestError
 from uploader.hashing import fsync_dir
@@ -123,12 +124,19 @@ def clean_staging(folder: Path) -> None:
             shutil.rmtree(entry, ignore_errors=True)
 
 
-def prune(folder: Path, keep: int) -> list[Path]:
-    """Delete all but the newest ``keep`` committed checkpoints; returns what was removed."""
+def prune(folder: Path, keep: int, protect: Collection[Path] = ()) -> list[Path]:
+    """Delete all but the newest ``keep`` committed checkpoints; returns what was removed.
+
+    ``protect`` lists checkpoints still needed by someone else (an upload in progress): they stay
+    until a later prune, so a fast save cadence can never delete a checkpoint under its uploader.
+    """
     if keep < 1:
         raise ValueError("keep must be >= 1")
     removed = []
+    protected = {Path(p) for p in protect}
     for ckpt in list_committed(folder)[:-keep]:
+        if ckpt.path in protected:
+            continue
         # Remove the manifest first so a crash half-way leaves an incomplete (ignored) folder,
         # never a committed one with missing files.
         (ckpt.path / MANIFEST_NAME).unlink(missing_ok=True)

@@ -9,10 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from job.app import train
 from job.checkpoint import STATE_FILE, Checkpointer, describe, load_state_file, model_sha256, open_checkpoint
 from job.exceptions import CheckpointLoadError
-from tests.support.jobs import ckpt_config
+from tests.support.jobs import ckpt_config, train_state
 from uploader import local
 from uploader.hashing import sha256_file
 from uploader.manifest import FORMAT_VERSION, FileEntry, Manifest
@@ -21,7 +20,7 @@ from uploader.manifest import FORMAT_VERSION, FileEntry, Manifest
 @pytest.fixture
 def saved(tiny_config, ckpt_dir):
     """A run of 40 batches that saved every 10, keeping 3: steps 20, 30, 40 remain."""
-    state = train(tiny_config(max_duration="40ba"), ckpt_config(ckpt_dir, interval="10ba", keep=3))
+    state = train_state(tiny_config(max_duration="40ba"), ckpt_config(ckpt_dir, interval="10ba", keep=3))
     return state, ckpt_dir
 
 
@@ -74,8 +73,7 @@ def test_incomplete_checkpoint_without_manifest_is_invisible(saved):
 def test_resume_after_corruption_uses_previous_checkpoint(tiny_config, saved):
     _, folder = saved
     _flip_byte(folder / local.checkpoint_name(40) / STATE_FILE)
-    state = train(tiny_config(max_duration="40ba"), ckpt_config(folder, interval="10ba"),
-                  should_stop=lambda s: True)
+    state = train_state(tiny_config(max_duration="40ba"), ckpt_config(folder, interval="10ba"), stop_at=0)
     assert state.timer.batch.value == 30  # resumed from the previous checkpoint, not from scratch
 
 

@@ -3,22 +3,21 @@ from __future__ import annotations
 
 import pytest
 
-from job.app import train
-from tests.support.jobs import assert_states_equal, ckpt_config
+from tests.support.jobs import assert_states_equal, ckpt_config, train_state
 
 BATCHES_PER_EPOCH = 48  # spirals: 3072 samples / 64
 
 
 @pytest.fixture
 def straight(tiny_config, tmp_path):
-    return train(tiny_config(), ckpt_config(tmp_path / "straight"))
+    return train_state(tiny_config(), ckpt_config(tmp_path / "straight"))
 
 
 def _train_with_stops(cfg, folder, stops):
     for stop in stops:
-        stopped = train(cfg, ckpt_config(folder), should_stop=lambda s, stop=stop: s.timer.batch.value >= stop)
+        stopped = train_state(cfg, ckpt_config(folder), stop_at=stop)
         assert stopped.timer.batch.value == stop
-    return train(cfg, ckpt_config(folder))
+    return train_state(cfg, ckpt_config(folder))
 
 
 @pytest.mark.parametrize(
@@ -36,21 +35,21 @@ def test_interruption_changes_nothing_even_with_periodic_checkpoints(tiny_config
     # Saving every few batches must not perturb the run (no RNG draws, no data-order change).
     folder = tmp_path / "periodic"
     cfg = tiny_config()
-    train(cfg, ckpt_config(folder, interval="7ba"), should_stop=lambda s: s.timer.batch.value >= 40)
-    resumed = train(cfg, ckpt_config(folder, interval="7ba"))
+    train_state(cfg, ckpt_config(folder, interval="7ba"), stop_at=40)
+    resumed = train_state(cfg, ckpt_config(folder, interval="7ba"))
     assert_states_equal(straight, resumed)
 
 
 def test_finished_run_restarted_does_no_more_work(tiny_config, tmp_path):
     folder = tmp_path / "done"
-    first = train(tiny_config(), ckpt_config(folder))
-    again = train(tiny_config(), ckpt_config(folder))
+    first = train_state(tiny_config(), ckpt_config(folder))
+    again = train_state(tiny_config(), ckpt_config(folder))
     assert again.timer.batch.value == first.timer.batch.value == 70
     assert_states_equal(first, again)
 
 
 def test_resume_never_starts_from_scratch(tiny_config, tmp_path, straight):
     folder = tmp_path / "never"
-    train(tiny_config(), ckpt_config(folder), should_stop=lambda s: s.timer.batch.value >= 20)
-    fresh = train(tiny_config(), ckpt_config(folder, resume="never"))
+    train_state(tiny_config(), ckpt_config(folder), stop_at=20)
+    fresh = train_state(tiny_config(), ckpt_config(folder, resume="never"))
     assert_states_equal(straight, fresh)

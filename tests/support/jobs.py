@@ -13,6 +13,7 @@ import torch
 
 from job.config import CheckpointConfig, TrainConfig
 from job.schedule import Interval
+from job.signals import StopRequest
 from state import Precision, State, Time
 
 REPO = Path(__file__).resolve().parents[2]
@@ -83,3 +84,25 @@ def inspect(path: Path) -> dict[str, Any]:
     done = run_job("inspect", str(path))
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
+
+
+class StopAtStep(StopRequest):
+    """A stop request that fires once training reaches ``step``, as a SIGTERM there would."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(grace_period=float("inf"))
+        self.step = step
+
+    def should_stop(self, state: object = None) -> bool:
+        if isinstance(state, State) and state.timer.batch.value >= self.step and not self.requested:
+            self.request(f"test stop at step {self.step}")
+        return self.requested
+
+
+def train_state(cfg: TrainConfig, ckpt: CheckpointConfig, stop_at: int | None = None, **kw: Any) -> State:
+    """Run job.app.train in-process and return its final State."""
+    from job.app import train
+
+    outcome = train(cfg, ckpt, stop=StopAtStep(stop_at) if stop_at is not None else None, **kw)
+    assert outcome.preempted == (stop_at is not None and outcome.state.timer.batch.value < int(cfg.max_duration.value))
+    return outcome.state

@@ -1,0 +1,80 @@
+"""The job's side of remote storage: pull the newest checkpoint on start-up, upload new ones.
+
+Uploading in-process (``--upload inprocess``) is for ``docker run`` without a sidecar: a daemon thread
+pushes each committed checkpoint while training goes on. With ``--upload sidecar`` the job only
+writes locally and marks the folder finished; ``uploader watch`` in another container does the rest.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from uploader.config import UploadConfig
+from uploader.local import LocalCheckpoint, list_committed
+from uploader.remote import Remote, open_remote
+from uploader.sync import newest_complete, pull_newest
+from uploader.worker import BackgroundUploader
+
+logger = logging.getLogger(__name__)
+
+UPLOAD_MODES = ("inprocess", "sidecar", "off")
+
+
+@dataclass(frozen=True)
+class RemoteConfig:
+    url: str | None
+    mode: str  # one of UPLOAD_MODES
+    upload: UploadConfig
+
+    def __post_init__(self) -> None:
+        if self.mode not in UPLOAD_MODES:
+            raise ValueError(f"--upload must be one of {', '.join(UPLOAD_MODES)}, not {self.mode!r}")
+        if self.url is not None and not self.url.startswith(("s3://", "file://")):
+            raise ValueError(f"--remote {self.url!r}: use s3://bucket/prefix or file:///path")
+
+
+class RemoteStore:
+    """One remote, opened once; owns the background uploader when uploading in-process."""
+
+    def __init__(self, cfg: RemoteConfig) -> None:
+        assert cfg.url is not None
+        self.url = cfg.url
+        self.remote: Remote = open_remote(cfg.url, cfg.upload)
+        self.uploader = BackgroundUploader(self.remote, cfg.upload.keep) if cfg.mode == "inprocess" else None
+
+    def pull_if_newer(self, folder: Path) -> LocalCheckpoint | None:
+        """Download the newest complete remote checkpoint when it is newer than every local one.
+
+        Raises the uploader's AuthError / BucketNotFound at once, so bad credentials fail in seconds,
+        before any training.
+        """
+        newest = newest_complete(self.remote)
+        local = list_committed(folder)
+        local_step = local[-1].step if local else -1
+        if newest is None or newest[0] <= local_step:
+            return None
+        pulled = pull_newest(self.remote, folder)
+        if pulled is None or pulled.step <= local_step:
+            return None
+        return pulled
+
+    def submit(self, ckpt: LocalCheckpoint) -> None:
+        if self.uploader is not None:
+            self.uploader.submit(ckpt)
+
+    def pending(self) -> set[Path]:
+        """Local checkpoints that must not be pruned yet: queued for or under upload."""
+        return self.uploader.pending_paths() if self.uploader is not None else set()
+
+    def wait(self, timeout: float | None) -> bool:
+        """Wait for the uploads submitted so far; re-raises a non-transient failure (AuthError, ...)."""
+        return True if self.uploader is None else self.uploader.wait(timeout)
+
+    def close(self, timeout: float | None = None) -> bool:
+        ok = True if self.uploader is None else self.uploader.close(timeout)
+        self.remote.close()
+        return ok
+
+    def describe(self, ckpt: LocalCheckpoint) -> str:
+        return f"{self.url.rstrip('/')}/{ckpt.name}"
