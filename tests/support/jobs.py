@@ -5,9 +5,11 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -106,3 +108,68 @@ def train_state(cfg: TrainConfig, ckpt: CheckpointConfig, stop_at: int | None = 
     outcome = train(cfg, ckpt, stop=StopAtStep(stop_at) if stop_at is not None else None, **kw)
     assert outcome.preempted == (stop_at is not None and outcome.state.timer.batch.value < int(cfg.max_duration.value))
     return outcome.state
+
+
+class JobProcess:
+    """A `job` (or any) process whose JSON log lines are collected live, for signal and timing tests."""
+
+    def __init__(self, argv: list[str], env: dict[str, str] | None = None, cwd: Path = REPO) -> None:
+        self.proc = subprocess.Popen(argv, env=env or job_env(), cwd=cwd, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        self._cond = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    @classmethod
+    def job(cls, *args: str, **kw: Any) -> JobProcess:
+        return cls(job_cmd(*args), **kw)
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            with self._cond:
+                self.lines.append(line.rstrip("\n"))
+                self._cond.notify_all()
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        with self._cond:
+            return events("\n".join(self.lines))
+
+    def wait_event(self, name: str, where: Callable[[dict[str, Any]], bool] = lambda e: True,
+                   timeout: float = 60.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                for e in events("\n".join(self.lines)):
+                    if e.get("event") == name and where(e):
+                        return e
+                left = deadline - time.monotonic()
+                if left <= 0 or (self.proc.poll() is not None and not self._reader.is_alive()):
+                    raise AssertionError(f"no {name!r} event; log tail:\n" + "\n".join(self.lines[-15:]))
+                self._cond.wait(min(left, 0.2))
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout: float = 60.0) -> int:
+        code = self.proc.wait(timeout)
+        self._close()
+        return code
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._close()
+
+    def _close(self) -> None:
+        self._reader.join(5)
+        if self.proc.stderr is not None and not self._reader.is_alive():
+            self.proc.stderr.close()
+
+    @property
+    def stderr(self) -> str:
+        with self._cond:
+            return "\n".join(self.lines)

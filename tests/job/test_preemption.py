@@ -1,0 +1,115 @@
+"""SIGTERM / SIGINT and spot notices: a preemption costs zero batches and changes nothing."""
+from __future__ import annotations
+
+import signal
+import sys
+
+import pytest
+
+from tests.support.jobs import REPO, inspect, run_job
+from tests.support.metadata import MetadataServer
+from uploader import local
+
+pytestmark = pytest.mark.slow
+
+# Long enough that the signal always lands mid-run; few evals so steps stay fast.
+ARGS = ["--max-duration", "3000ba", "--eval-interval", "1000ba", "--log-interval", "5", "--seed", "5",
+        "--log-format", "json"]
+
+
+def _started(proc, step: int = 10) -> dict:
+    return proc.wait_event("progress", lambda e: e["step"] >= step)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_checkpoints_the_current_step_and_exits_75(spawn, tmp_path, sig):
+    folder = tmp_path / "ck"
+    proc = spawn("train", *ARGS, "--save-folder", str(folder), "--save-interval", "100000ba")
+    _started(proc)
+    proc.signal(sig)
+    assert proc.wait() == 75, proc.stderr
+    preempted = proc.wait_event("preempted")
+    assert preempted["checkpoint_step"] == preempted["step"] > 0  # zero batches lost
+    assert inspect(folder)["step"] == preempted["step"]
+    assert local.read_finished(folder) == preempted["step"]
+
+
+def test_preempted_run_resumes_to_the_uninterrupted_result(spawn, tmp_path):
+    short = ["--max-duration", "150ba", "--eval-interval", "50ba", "--log-interval", "5", "--seed", "5",
+             "--log-format", "json"]
+    straight = tmp_path / "straight"
+    assert run_job("train", *short, "--save-folder", str(straight)).returncode == 0
+    folder = tmp_path / "ck"
+    proc = spawn("train", *short, "--save-folder", str(folder))
+    _started(proc, 20)
+    proc.signal(signal.SIGTERM)
+    assert proc.wait() == 75, proc.stderr
+    assert run_job("train", *short, "--save-folder", str(folder)).returncode == 0
+    assert inspect(folder)["model_sha256"] == inspect(straight)["model_sha256"]
+
+
+def test_second_signal_exits_at_once_and_keeps_the_previous_checkpoint(spawn, tmp_path):
+    folder, marker = tmp_path / "ck", tmp_path / "saving"
+    # The second periodic save pauses before its manifest is written; both signals land during it.
+    proc = spawn(argv=[sys.executable, "-m", "tests.support.slow_save_job", str(marker), "2", "--",
+                       "train", *ARGS, "--save-folder", str(folder), "--save-interval", "10ba"], cwd=REPO)
+    proc.wait_event("checkpoint", lambda e: e["step"] == 10)
+    import time
+
+    while not marker.exists():
+        time.sleep(0.05)
+    proc.signal(signal.SIGTERM)
+    proc.wait_event("stop_requested")
+    proc.signal(signal.SIGTERM)
+    assert proc.wait(timeout=20) == 75
+    assert proc.wait_event("killed")["signal"] == "SIGTERM"
+    assert [c.step for c in local.list_committed(folder)] == [10]
+    assert inspect(folder)["step"] == 10
+
+
+def test_grace_too_short_says_so_and_exits_before_the_kill(spawn, tmp_path):
+    folder = tmp_path / "ck"
+    proc = spawn("train", *ARGS, "--save-folder", str(folder), "--save-interval", "10ba", "--grace-period", "0")
+    proc.wait_event("checkpoint", lambda e: e["step"] >= 20)
+    proc.signal(signal.SIGTERM)
+    assert proc.wait() == 75, proc.stderr
+    warning = proc.wait_event("grace_too_short")
+    preempted = proc.wait_event("preempted")
+    assert warning["kept_step"] == preempted["checkpoint_step"] < preempted["step"]
+    assert inspect(folder)["step"] == preempted["checkpoint_step"]
+
+
+def test_aws_notice_checkpoints_at_once_and_training_goes_on(spawn, tmp_path):
+    folder = tmp_path / "ck"
+    with MetadataServer() as imds:
+        proc = spawn("train", *ARGS, "--save-folder", str(folder), "--save-interval", "100000ba",
+                     "--spot-notice", "aws", "--spot-endpoint", imds.url, "--spot-poll-interval", "0.2")
+        _started(proc)
+        imds.notice_aws(seconds_from_now=120)
+        notice = proc.wait_event("spot_notice")
+        assert (notice["provider"], notice["kind"]) == ("aws", "terminate") and 100 < notice["seconds_left"] <= 120
+        saved = proc.wait_event("checkpoint")
+        assert saved["step"] == notice["step"]
+        proc.wait_event("progress", lambda e: e["step"] > saved["step"] + 10)  # keeps training
+        proc.signal(signal.SIGTERM)
+        assert proc.wait() == 75
+    assert imds.tokens_issued >= 1 and imds.rejected == 0  # IMDSv2: token first, every read carried it
+
+
+@pytest.mark.parametrize("provider", ["aws", "gcp"])
+def test_notice_with_a_near_deadline_stops_by_itself(spawn, tmp_path, provider):
+    """No SIGTERM at all: the deadline (AWS time, GCP's 30 s) comes within the grace period."""
+    folder = tmp_path / "ck"
+    with MetadataServer() as meta:
+        proc = spawn("train", *ARGS, "--save-folder", str(folder), "--save-interval", "100000ba",
+                     "--spot-notice", provider, "--spot-endpoint", meta.url, "--spot-poll-interval", "0.2",
+                     "--grace-period", "40")
+        _started(proc)
+        if provider == "aws":
+            meta.notice_aws(seconds_from_now=20)
+        else:
+            meta.gce_preempted = True
+        assert proc.wait(timeout=90) == 75, proc.stderr
+    preempted = proc.wait_event("preempted")
+    assert preempted["checkpoint_step"] == preempted["step"]
+    assert "spot notice" in preempted["reason"]
