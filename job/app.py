@@ -52,36 +52,55 @@ class Outcome:
 
 @dataclass
 class CheckpointCadence:
-    """Decides after each step whether a checkpoint is due; hands each committed one to the uploader."""
+    """Decides after each step whether a checkpoint is due, and takes it without stalling the loop.
+
+    A due checkpoint that finds the previous one still being written stays due and is taken after a
+    later step, as soon as the writer is free (the loop never waits for the disk).
+    """
 
     checkpointer: Checkpointer
     cfg: CheckpointConfig
-    store: RemoteStore | None = None
     last_step: int | None = None
-    last_seconds: float | None = None
+    _owed: bool = False
     _clock: float = field(default_factory=time.monotonic)
 
     def after_step(self, state: State, epoch_ended: bool) -> None:
-        if self.cfg.interval.due(state.timer, epoch_ended, time.monotonic() - self._clock):
-            self.save(state)
+        if self._owed or self.cfg.interval.due(state.timer, epoch_ended, time.monotonic() - self._clock):
+            self._owed = not self.checkpointer.save_async(state)
+            if self._owed:
+                logger.debug("checkpoint at step %d deferred: the previous one is still being written",
+                             state.timer.batch.value)
+            else:
+                self._taken(state)
 
-    def save(self, state: State) -> None:
-        started = time.monotonic()
-        ckpt = self.checkpointer.save(state)
-        self.last_seconds = time.monotonic() - started
+    def save_now(self, state: State) -> None:
+        """A snapshot right away, written in the background (spot notice)."""
+        if not self.saved_now(state):
+            self.checkpointer.wait()
+            self.checkpointer.save_async(state)
+            self._taken(state)
+
+    def save_durable(self, state: State) -> None:
+        """This step's checkpoint, committed when this returns (end of training, preemption)."""
+        if self.saved_now(state):
+            self.checkpointer.wait()
+        else:
+            self.checkpointer.save(state)
+            self._taken(state)
+
+    def _taken(self, state: State) -> None:
         self.last_step = state.timer.batch.value
+        self._owed = False
         self._clock = time.monotonic()
-        if self.store is not None:
-            self.store.submit(ckpt)
 
     def saved_now(self, state: State) -> bool:
         return self.last_step == state.timer.batch.value
 
     def estimate_seconds(self, state: State) -> float:
-        """How long a save will take: the last one, or the state's size at a conservative 200 MB/s."""
-        if self.last_seconds is not None:
-            return self.last_seconds
-        tensors = [p for p in state.model.parameters()]
+        """How long a durable save will take: the last write, or the state's size at a conservative 200 MB/s."""
+        if self.checkpointer.last_write_seconds is not None:
+            return self.checkpointer.last_write_seconds
+        tensors = list(state.model.parameters())
         for opt in state.optimizers:
             tensors += [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         return sum(t.numel() * t.element_size() for t in tensors) / 200e6 + 0.2
@@ -102,8 +121,7 @@ class SpotHandler:
             left = None if notice.deadline is None else round(notice.deadline - time.time(), 1)
             event(logger, "spot_notice", provider=notice.provider, kind=notice.kind, seconds_left=left,
                   step=state.timer.batch.value)
-            if not self.cadence.saved_now(state):
-                self.cadence.save(state)
+            self.cadence.save_now(state)
             if notice.deadline is not None:
                 self.deadline = notice.deadline if self.deadline is None else min(self.deadline, notice.deadline)
         if self.deadline is not None and not self.stop.requested:
@@ -138,15 +156,14 @@ def _stop_for_preemption(state: State, cadence: CheckpointCadence, store: Remote
                          stop: StopRequest) -> None:
     """Within the grace period: a final checkpoint, its upload, and a clear account of what was kept."""
     step = state.timer.batch.value
-    if not cadence.saved_now(state):
-        needed = cadence.estimate_seconds(state) * 1.5 + EXIT_MARGIN_SECONDS
-        left = stop.time_left()
-        if left < needed:
-            event(logger, "grace_too_short", level=logging.WARNING, step=step, seconds_left=round(left, 1),
-                  seconds_needed=round(needed, 1), kept_step=cadence.last_step,
-                  message="no time for a final checkpoint; exiting before the kill with the previous one")
-        else:
-            cadence.save(state)
+    needed = cadence.estimate_seconds(state) * 1.5 + EXIT_MARGIN_SECONDS
+    if not cadence.saved_now(state) and stop.time_left() < needed:
+        event(logger, "grace_too_short", level=logging.WARNING, step=step, seconds_left=round(stop.time_left(), 1),
+              seconds_needed=round(needed, 1), kept_step=cadence.last_step,
+              message="no time for a final checkpoint; exiting before the kill with the previous one")
+        cadence.checkpointer.wait(max(stop.time_left() - EXIT_MARGIN_SECONDS, 0.0))
+    else:
+        cadence.save_durable(state)
     uploaded = True
     if store is not None and cadence.last_step is not None:
         uploaded = store.wait(max(stop.time_left() - EXIT_MARGIN_SECONDS, 0.0))
@@ -170,8 +187,10 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
     store = RemoteStore(remote_cfg) if remote_cfg is not None and remote_cfg.url else None
     try:
         checkpointer = Checkpointer(ckpt_cfg.folder, ckpt_cfg.keep, meta,
-                                    protect=store.pending if store is not None else None)
-        cadence = CheckpointCadence(checkpointer, ckpt_cfg, store)
+                                    protect=store.pending if store is not None else None,
+                                    on_commit=store.submit if store is not None else None,
+                                    pin_memory=cfg.device == "cuda")
+        cadence = CheckpointCadence(checkpointer, ckpt_cfg)
         if resume(state, ckpt_cfg, checkpointer, meta, store):
             cadence.last_step = state.timer.batch.value
         local.clear_finished(ckpt_cfg.folder)
@@ -189,8 +208,7 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
         if stop.requested:
             _stop_for_preemption(state, cadence, store, stop)
             return Outcome(state, preempted=True)
-        if not cadence.saved_now(state):
-            cadence.save(state)
+        cadence.save_durable(state)
         if store is not None:
             store.wait(None)
         local.mark_finished(ckpt_cfg.folder, state.timer.batch.value)

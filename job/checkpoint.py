@@ -11,6 +11,7 @@ import logging
 import os
 import pickle
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -19,6 +20,7 @@ import torch
 
 from job.exceptions import CheckpointLoadError, CheckpointWriteError
 from job.logs import event
+from job.snapshot import HostSnapshot
 from state import State
 from uploader import local
 from uploader.exceptions import CorruptCheckpoint, ManifestError
@@ -33,38 +35,97 @@ RESULT_SETTINGS = ("model", "data", "batch_size", "seed", "grad_accum", "world_s
 
 
 class Checkpointer:
-    """Writes checkpoints of a State into one folder and keeps the newest ``keep``."""
+    """Writes checkpoints of a State into one folder, keeps the newest ``keep``, reports each commit.
+
+    ``save_async`` is the cheap path for periodic checkpoints: it blocks only for the copy into
+    reused host buffers (job.snapshot) and writes in a background thread. At most one checkpoint is
+    in flight; when the next is due before the last is durable, ``save_async`` returns False without
+    doing anything, and the caller tries again after the next step: the loop never waits on the disk
+    and never touches buffers that are being written. ``save`` is the durable path (end of training,
+    preemption): it waits for the one in flight, then writes and commits before returning.
+    """
 
     def __init__(self, folder: Path, keep: int, meta: dict[str, Any],
-                 protect: Callable[[], set[Path]] | None = None) -> None:
+                 protect: Callable[[], set[Path]] | None = None,
+                 on_commit: Callable[[local.LocalCheckpoint], None] | None = None,
+                 pin_memory: bool = False) -> None:
         self.folder = folder
         self.keep = keep
         self.meta = meta
         self.protect = protect or set
+        self.on_commit = on_commit
+        self.last_stall_seconds: float | None = None  # how long the loop was blocked by the last save
+        self.last_write_seconds: float | None = None  # serialize + hash + fsync + commit of the last one
+        self._snapshot = HostSnapshot(pin_memory)
+        self._writer: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def in_flight(self) -> bool:
+        return self._writer is not None and self._writer.is_alive()
+
+    def save_async(self, state: State) -> bool:
+        """Snapshot ``state`` and write it in the background; False (nothing done) while one is in flight."""
+        self._raise_background_error()
+        if self.in_flight():
+            return False
+        started = time.perf_counter()
+        tree, ready = self._snapshot.capture(state.state_dict())
+        step, timer = state.timer.batch.value, state.timer.state_dict()
+        self.last_stall_seconds = time.perf_counter() - started
+        self._writer = threading.Thread(target=self._write_in_background, args=(tree, ready, step, timer),
+                                        name=f"checkpoint-{step}", daemon=True)
+        self._writer.start()
+        return True
 
     def save(self, state: State) -> local.LocalCheckpoint:
-        """Write, fsync and commit a checkpoint of ``state``; on any OSError the previous ones stay as they were."""
+        """Write and commit a checkpoint of ``state`` now; durable when this returns."""
+        self.wait()
         started = time.perf_counter()
-        step = state.timer.batch.value
+        ckpt = self._write(state.state_dict(), state.timer.batch.value, state.timer.state_dict())
+        self.last_stall_seconds = time.perf_counter() - started
+        return ckpt
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the checkpoint in flight; re-raise its failure here, in the training thread."""
+        if self._writer is not None:
+            self._writer.join(timeout)
+            if self._writer.is_alive():
+                return False
+            self._writer = None
+        self._raise_background_error()
+        return True
+
+    def _raise_background_error(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def _write_in_background(self, tree: Any, ready: Any, step: int, timer: dict[str, int]) -> None:
+        try:
+            if ready is not None:
+                ready.synchronize()
+            self._write(tree, step, timer)
+        except BaseException as e:  # noqa: BLE001 - handed to the training thread by wait()/save_async()
+            self._error = e
+
+    def _write(self, tree: Any, step: int, timer: dict[str, int]) -> local.LocalCheckpoint:
+        """Serialize, hash, fsync and commit; on any OSError the previous checkpoints stay as they were."""
+        started = time.perf_counter()
         staging: Path | None = None
         try:
             staging = local.staging_dir(self.folder, step)
             with open(staging / STATE_FILE, "wb") as raw:
                 writer = HashingWriter(raw)
                 try:
-                    torch.save(state.state_dict(), writer)
+                    torch.save(tree, writer)
                 except RuntimeError:
                     if writer.error is None:
                         raise
                     raise writer.error from None
                 raw.flush()
                 os.fsync(raw.fileno())
-            manifest = Manifest(
-                step=step,
-                files=(FileEntry(STATE_FILE, writer.size, writer.hexdigest()),),
-                timer=state.timer.state_dict(),
-                meta=self.meta,
-            )
+            manifest = Manifest(step=step, files=(FileEntry(STATE_FILE, writer.size, writer.hexdigest()),),
+                                timer=timer, meta=self.meta)
             ckpt = local.commit(staging, manifest)
         except OSError as e:
             if staging is not None:
@@ -74,8 +135,11 @@ class Checkpointer:
                 "permissions (the previous checkpoint is untouched)"
             ) from None
         local.prune(self.folder, self.keep, protect=self.protect())
+        self.last_write_seconds = time.perf_counter() - started
         event(logger, "checkpoint", step=step, path=str(ckpt.path), bytes=writer.size,
-              seconds=round(time.perf_counter() - started, 3))
+              seconds=round(self.last_write_seconds, 3))
+        if self.on_commit is not None:
+            self.on_commit(ckpt)
         return ckpt
 
     def newest(self) -> tuple[local.LocalCheckpoint, Manifest] | None:
