@@ -19,7 +19,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Collection
+from collections.abc import Collection
 
 from uploader.exceptions import CorruptCheckpoint, ManifestError
 from uploader.hashing import fsync_dir

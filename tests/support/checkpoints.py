@@ -1,0 +1,62 @@
+"""Checkpoints for tests, made without torch: random bytes, committed the way the job commits.
+
+The job's tests reuse this: a checkpoint is a folder of files plus a manifest, whatever is inside.
+"""
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Mapping
+from pathlib import Path
+
+from uploader.hashing import sha256_file
+from uploader.local import LocalCheckpoint, commit, staging_dir
+from uploader.manifest import FileEntry, Manifest
+from uploader.remote import Remote
+from uploader.sync import list_remote
+
+# A few files, one of them in a sub-folder; sizes small enough to be quick everywhere.
+SMALL_FILES: Mapping[str, int] = {"model.pt": 200_000, "optim.pt": 50_000, "rng/state.bin": 1_000, "empty": 0}
+# Plus one file over the 5 MiB multipart threshold of s3server.fast_config: 3 parts up, 3 ranges down.
+WITH_LARGE_FILE: Mapping[str, int] = {**SMALL_FILES, "big.bin": 11 * 1024 * 1024 + 123}
+
+
+def make_checkpoint(
+    folder: Path, step: int, files: Mapping[str, int] = SMALL_FILES, *, seed: int | None = None
+) -> LocalCheckpoint:
+    """Write ``files`` (relative path -> size) with random bytes into a staging folder and commit it."""
+    rng = random.Random(step if seed is None else seed)
+    staging = staging_dir(folder, step)
+    entries = []
+    for relpath, size in files.items():
+        path = staging / relpath
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(rng.randbytes(size))
+            f.flush()
+            os.fsync(f.fileno())
+        size_read, digest = sha256_file(path)
+        entries.append(FileEntry(path=relpath, size=size_read, sha256=digest))
+    return commit(staging, Manifest(step=step, files=tuple(entries), timer={"epoch": 0, "batch": step}))
+
+
+def files_of(ckpt_path: Path) -> dict[str, bytes]:
+    """Every file of a checkpoint folder (manifest included), by relative path: compare two folders with ==."""
+    return {p.relative_to(ckpt_path).as_posix(): p.read_bytes() for p in sorted(ckpt_path.rglob("*")) if p.is_file()}
+
+
+def data_files_of(ckpt_path: Path) -> dict[str, bytes]:
+    """Like files_of, without the manifest (which a pull re-serializes)."""
+    return {k: v for k, v in files_of(ckpt_path).items() if k != "manifest.json"}
+
+
+def corrupt_file(path: Path) -> None:
+    """Flip one byte, keeping the size: only a sha256 check notices."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def complete_steps(remote: Remote) -> list[int]:
+    """Steps of the complete checkpoints on a remote, oldest first."""
+    return [c.step for c in list_remote(remote) if c.complete]

@@ -1,0 +1,276 @@
+"""A TCP proxy on 127.0.0.1 that injects network faults in front of the S3 server (stdlib only).
+
+Faults can be switched while traffic flows:
+
+* ``reset_after(n, times)``: the next ``times`` connections (None: all) that carry data, already open
+  ones included, are reset (RST) once ``n`` more bytes have passed in either direction: mid-transfer;
+* ``slow_down(k)``: the next ``k`` requests are answered ``503 Slow Down`` with an S3 XML error body,
+  without reaching the server;
+* ``delay(seconds)``: sleep before forwarding every chunk (a slow link);
+* ``passthrough()``: no fault.
+
+Requests are framed by parsing HTTP/1.1 heads and Content-Length (all the S3 SDK sends), so the proxy
+counts connections and requests: tests assert "no retry storm" with them.
+"""
+from __future__ import annotations
+
+import contextlib
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+
+from tests.support.s3server import LOOPBACK
+
+SLOW_DOWN_BODY = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n'
+    b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message>"
+    b"<RequestId>faultproxy</RequestId></Error>"
+)
+SLOW_DOWN = (
+    b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nConnection: close\r\n"
+    b"Content-Length: " + str(len(SLOW_DOWN_BODY)).encode() + b"\r\n\r\n" + SLOW_DOWN_BODY
+)
+BUFFER = 64 * 1024
+
+
+@dataclass
+class Counters:
+    connections: int = 0
+    requests: int = 0
+    resets: int = 0
+    slowdowns: int = 0
+    request_lines: list[str] = field(default_factory=list)
+
+
+class _Reset(Exception):
+    """This connection has had its bytes: reset it."""
+
+
+class FaultProxy:
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream = (LOOPBACK, upstream_port)
+        self.counters = Counters()
+        self._lock = threading.Lock()
+        self._reset_after: int | None = None
+        self._reset_times: int | None = None
+        self._generation = 0  # bumped by reset_after(): connections then claim a fresh budget
+        self._slowdowns = 0
+        self._delay = 0.0
+        self._sockets: set[socket.socket] = set()
+        self._listener = socket.create_server((LOOPBACK, 0))
+        self.port = self._listener.getsockname()[1]
+        self._closed = False
+        threading.Thread(target=self._accept, name="faultproxy-accept", daemon=True).start()
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.port}"
+
+    # -- switching faults -----------------------------------------------------------------------
+
+    def passthrough(self) -> None:
+        with self._lock:
+            self._reset_after, self._reset_times, self._slowdowns, self._delay = None, None, 0, 0.0
+            self._generation += 1
+
+    def reset_after(self, nbytes: int, times: int | None = None) -> None:
+        with self._lock:
+            self._reset_after, self._reset_times = nbytes, times
+            self._generation += 1
+
+    def slow_down(self, requests: int) -> None:
+        with self._lock:
+            self._slowdowns = requests
+
+    def delay(self, seconds: float) -> None:
+        with self._lock:
+            self._delay = seconds
+
+    def close(self) -> None:
+        self._closed = True
+        self._listener.close()
+        with self._lock:
+            for s in list(self._sockets):
+                _hard_close(s)
+
+    # -- plumbing -------------------------------------------------------------------------------
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            with self._lock:
+                self.counters.connections += 1
+            threading.Thread(target=self._serve, args=(client,), name="faultproxy-conn", daemon=True).start()
+
+    def _serve(self, client: socket.socket) -> None:
+        try:
+            upstream = socket.create_connection(self.upstream, timeout=5)
+        except OSError:
+            _hard_close(client)  # server down: the client sees a reset, as with a dead endpoint
+            return
+        upstream.settimeout(None)
+        conn = _Connection(self, client, upstream)
+        with self._lock:
+            self._sockets.update((client, upstream))
+        down = threading.Thread(target=conn.pump_responses, name="faultproxy-down", daemon=True)
+        down.start()
+        conn.pump_requests()
+        down.join()
+        with self._lock:
+            self._sockets.difference_update((client, upstream))
+
+    def _take_slowdown(self) -> bool:
+        with self._lock:
+            if self._slowdowns > 0:
+                self._slowdowns -= 1
+                self.counters.slowdowns += 1
+                return True
+            return False
+
+    def _claim_budget(self, generation: int) -> tuple[int, int | None]:
+        """(current generation, byte budget or None) for a connection that last claimed at ``generation``."""
+        if generation == self._generation:
+            raise AssertionError("caller checks the generation first")
+        budget = None
+        if self._reset_after is not None and (self._reset_times is None or self._reset_times > 0):
+            budget = self._reset_after
+            if self._reset_times is not None:
+                self._reset_times -= 1
+        return self._generation, budget
+
+    def _current_delay(self) -> float:
+        with self._lock:
+            return self._delay
+
+
+class _Connection:
+    """One proxied connection: requests framed client->server, responses streamed back."""
+
+    def __init__(self, proxy: FaultProxy, client: socket.socket, upstream: socket.socket) -> None:
+        self.proxy = proxy
+        self.client = client
+        self.upstream = upstream
+        self.generation = -1
+        self.budget: int | None = None
+        self.lock = threading.Lock()
+        self.dead = False
+
+    def pump_requests(self) -> None:
+        buf = b""
+        try:
+            while True:
+                while b"\r\n\r\n" not in buf:
+                    data = self.client.recv(BUFFER)
+                    if not data:
+                        return self._finish()
+                    buf += data
+                head, _, buf = buf.partition(b"\r\n\r\n")
+                head += b"\r\n\r\n"
+                request_line = head.split(b"\r\n", 1)[0].decode("latin-1")
+                headers = _headers(head)
+                length = int(headers.get("content-length", "0"))
+                with self.proxy._lock:
+                    self.proxy.counters.requests += 1
+                    self.proxy.counters.request_lines.append(request_line)
+                if self.proxy._take_slowdown():
+                    if "100-continue" not in headers.get("expect", "").lower():
+                        buf = self._discard(buf, length)
+                    self.client.sendall(SLOW_DOWN)
+                    return self._finish()
+                self._forward(self.upstream, head)
+                body, buf = buf[:length], buf[length:]
+                left = length - len(body)
+                if body:
+                    self._forward(self.upstream, body)
+                while left > 0:
+                    data = self.client.recv(min(BUFFER, left))
+                    if not data:
+                        return self._finish()
+                    left -= len(data)
+                    self._forward(self.upstream, data)
+        except _Reset:
+            self._reset()
+        except OSError:
+            self._finish()
+
+    def pump_responses(self) -> None:
+        try:
+            while data := self.upstream.recv(BUFFER):
+                self._forward(self.client, data)
+        except _Reset:
+            self._reset()
+            return
+        except OSError:
+            pass
+        self._finish()
+
+    def _discard(self, buf: bytes, length: int) -> bytes:
+        left = length - len(buf[:length])
+        rest = buf[length:]
+        while left > 0:
+            data = self.client.recv(min(BUFFER, left))
+            if not data:
+                break
+            left -= len(data)
+        return rest
+
+    def _forward(self, dest: socket.socket, data: bytes) -> None:
+        delay = self.proxy._current_delay()
+        if delay:
+            time.sleep(delay)
+        with self.lock:
+            with self.proxy._lock:
+                if self.generation != self.proxy._generation:
+                    self.generation, self.budget = self.proxy._claim_budget(self.generation)
+            if self.budget is not None:
+                if len(data) >= self.budget:
+                    allowed, self.budget = data[: self.budget], 0
+                    if allowed:
+                        dest.sendall(allowed)
+                    raise _Reset()
+                self.budget -= len(data)
+        dest.sendall(data)
+
+    def _reset(self) -> None:
+        with self.lock:
+            if self.dead:
+                return
+            self.dead = True
+        with self.proxy._lock:
+            self.proxy.counters.resets += 1
+        _hard_close(self.client)
+        _hard_close(self.upstream)
+
+    def _finish(self) -> None:
+        with self.lock:
+            if self.dead:
+                return
+            self.dead = True
+        for s in (self.client, self.upstream):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+
+
+def _headers(head: bytes) -> dict[str, str]:
+    lines = head.decode("latin-1").split("\r\n")[1:]
+    return {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines if line)}
+
+
+def _hard_close(s: socket.socket) -> None:
+    """Close with RST instead of FIN: the peer sees 'connection reset'.
+
+    shutdown(SHUT_RD) first: it wakes our other pump thread blocked in recv() on this socket; a bare
+    close() would not, and the kernel would keep the connection open until that recv returned.
+    """
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        s.shutdown(socket.SHUT_RD)
+    except OSError:
+        pass
+    s.close()

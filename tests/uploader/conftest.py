@@ -1,0 +1,34 @@
+"""Fixtures of the uploader tests: a Remote of each kind, behind the same interface."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.s3server import Bucket, fast_config
+from uploader.remote import Remote, open_remote
+
+
+@pytest.fixture(params=["file", pytest.param("s3", marks=pytest.mark.s3)])
+def remote(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Remote]:
+    """The protocol must behave the same on a shared volume and on S3 (the session SeaweedFS)."""
+    if request.param == "file":
+        r = open_remote(f"file://{tmp_path / 'remote'}", fast_config())
+    else:
+        bucket: Bucket = request.getfixturevalue("s3_bucket")
+        r = open_remote(bucket.url(), fast_config(bucket.endpoint_url))
+    yield r
+    r.close()
+
+
+@pytest.fixture
+def local(tmp_path: Path) -> Path:
+    """The job's checkpoint folder."""
+    return tmp_path / "local"
+
+
+@pytest.fixture
+def restore(tmp_path: Path) -> Path:
+    """Where a (new) pod pulls checkpoints to."""
+    return tmp_path / "restore"

@@ -1,0 +1,69 @@
+"""The ``uploader`` command as a real subprocess: configuration by environment, output, exit codes."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.checkpoints import data_files_of, make_checkpoint
+from tests.support.s3server import ADMIN, Bucket, isolated_aws_env
+from tests.support.uploader_cli import cli_env, run_cli
+
+
+@pytest.mark.s3
+def test_sync_ls_pull_round_trip(s3_bucket: Bucket, tmp_path: Path) -> None:
+    local = tmp_path / "local"
+    ckpts = [make_checkpoint(local, step) for step in (10, 20, 30)]
+    env = cli_env(s3_bucket, keep="2")
+
+    sync = run_cli(["sync", str(local), s3_bucket.url()], env)
+    ls = run_cli(["ls", s3_bucket.url()], env)
+    pull = run_cli(["pull", s3_bucket.url(), str(tmp_path / "restore")], env)
+
+    assert sync.returncode == 0, sync.stderr
+    assert all(json.loads(line)["level"] for line in sync.stderr.splitlines())  # JSON lines when not a TTY
+    rows = [json.loads(line) for line in ls.stdout.splitlines()]
+    assert [(r["step"], r["complete"]) for r in rows] == [(20, True), (30, True)]
+    assert all(r["size"] > 0 and r["time"].endswith("Z") for r in rows)
+    assert pull.returncode == 0, pull.stderr
+    assert pull.stdout.strip() == str(tmp_path / "restore" / ckpts[-1].name)
+    assert data_files_of(Path(pull.stdout.strip())) == data_files_of(ckpts[-1].path)
+
+
+def test_pull_with_no_checkpoint_exits_6_with_one_line(tmp_path: Path) -> None:
+    result = run_cli(["pull", f"file://{tmp_path / 'empty'}", str(tmp_path / "restore")], isolated_aws_env(ADMIN))
+
+    assert result.returncode == 6
+    assert result.stderr.strip().splitlines() == [
+        f"uploader: error: no complete checkpoint that verifies under file://{tmp_path / 'empty'} "
+        f"(folder {str(tmp_path / 'empty')!r}); start from scratch or check the remote URL"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["ls", "ftp://host/path"], "unsupported remote"),
+        (["ls", "file://relative/path"], "absolute"),
+        (["--part-size", "1MiB", "ls", "file:///tmp/x"], "part_size"),
+        (["--addressing", "sideways", "ls", "file:///tmp/x"], "sideways"),
+        (["--endpoint-url", "127.0.0.1:9000", "ls", "s3://bucket/x"], "endpoint_url"),
+    ],
+    ids=["scheme", "relative-file-url", "part-size", "addressing", "endpoint-without-scheme"],
+)
+def test_usage_errors_exit_2(args: list[str], says: str) -> None:
+    result = run_cli(args, isolated_aws_env(ADMIN))
+
+    assert result.returncode == 2
+    assert says in result.stderr and "Traceback" not in result.stderr
+
+
+def test_the_package_never_imports_torch() -> None:
+    code = "import uploader.cli, uploader.worker, uploader.sync; import sys; assert 'torch' not in sys.modules"
+
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+
+    assert result.returncode == 0, result.stderr

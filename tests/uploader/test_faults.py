@@ -1,0 +1,122 @@
+"""S3 through a fault-injecting proxy: retries ride out resets and 503s, give up cleanly, and never storm."""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.support.checkpoints import WITH_LARGE_FILE, data_files_of, make_checkpoint
+from tests.support.faultproxy import FaultProxy
+from tests.support.s3server import ADMIN, READER, Bucket, Credentials, fast_config
+from tests.support.uploader_cli import cli_env, run_cli
+from uploader.config import MiB
+from uploader.exceptions import TransientStorageError
+from uploader.remote import Remote, open_remote
+from uploader.sync import pull_newest, push
+
+pytestmark = pytest.mark.s3
+
+
+def via(proxy: FaultProxy, bucket: Bucket, **overrides: object) -> Remote:
+    return open_remote(bucket.url(), fast_config(proxy.endpoint_url, **overrides))
+
+
+@pytest.mark.parametrize(
+    ("inject", "counter", "expected"),
+    [
+        (lambda p: p.reset_after(1 * MiB, times=3), "resets", 3),
+        (lambda p: p.slow_down(3), "slowdowns", 3),
+    ],
+    ids=["connection-resets-mid-transfer", "503-slow-down"],
+)
+def test_upload_survives_transient_faults(
+    fault_proxy: FaultProxy, s3_bucket: Bucket, tmp_path: Path, inject: Callable[[FaultProxy], None],
+    counter: str, expected: int, caplog: pytest.LogCaptureFixture,
+) -> None:
+    ckpt = make_checkpoint(tmp_path / "local", 10, WITH_LARGE_FILE)
+    remote = via(fault_proxy, s3_bucket)
+    inject(fault_proxy)
+
+    with caplog.at_level(logging.WARNING, logger="uploader.retry"):
+        push(ckpt, remote, keep=3)
+    pulled = pull_newest(remote, tmp_path / "restore")
+
+    assert getattr(fault_proxy.counters, counter) == expected
+    assert "retry 1 of at most" in caplog.text
+    assert pulled is not None and data_files_of(pulled.path) == data_files_of(ckpt.path)
+
+
+def test_download_survives_resets(fault_proxy: FaultProxy, s3_bucket: Bucket, tmp_path: Path) -> None:
+    ckpt = make_checkpoint(tmp_path / "local", 10, WITH_LARGE_FILE)
+    remote = via(fault_proxy, s3_bucket)
+    push(ckpt, remote, keep=3)
+    # Smaller than model.pt: each of the next two connections dies half-way through a response body.
+    fault_proxy.reset_after(100_000, times=2)
+
+    pulled = pull_newest(remote, tmp_path / "restore")
+
+    assert fault_proxy.counters.resets == 2
+    assert pulled is not None and data_files_of(pulled.path) == data_files_of(ckpt.path)
+
+
+def test_giving_up_leaves_an_incomplete_checkpoint_that_pull_ignores(
+    fault_proxy: FaultProxy, s3_bucket: Bucket, tmp_path: Path
+) -> None:
+    local = tmp_path / "local"
+    remote = via(fault_proxy, s3_bucket, max_attempts=3, max_retry_seconds=10.0)
+    push(make_checkpoint(local, 1), remote, keep=3)
+    # Small files still fit through a connection; every 5 MiB part is cut half-way, every time.
+    fault_proxy.reset_after(2 * MiB)
+
+    with pytest.raises(TransientStorageError) as failure:
+        push(make_checkpoint(local, 2, WITH_LARGE_FILE), remote, keep=3)
+    fault_proxy.passthrough()
+    pulled = pull_newest(remote, tmp_path / "restore")
+    ls = run_cli(["ls", s3_bucket.url()], cli_env(s3_bucket, endpoint_url=fault_proxy.endpoint_url))
+
+    assert s3_bucket.name in str(failure.value) and fault_proxy.endpoint_url in str(failure.value)
+    assert "3 attempt(s)" in str(failure.value)
+    assert pulled is not None and pulled.step == 1
+    assert ls.returncode == 0, ls.stderr
+    listed = {row["step"]: row["complete"] for row in map(json.loads, ls.stdout.splitlines())}
+    assert listed == {1: True, 2: False}
+
+
+WRONG_SECRET = Credentials(ADMIN.access_key, "not-the-secret-0123456789")
+UNKNOWN_KEY = Credentials("nobody-at-all", "whatever-secret-0123456789")
+
+
+@pytest.mark.parametrize(
+    ("credentials", "bucket_name", "exit_code", "says", "max_requests"),
+    [
+        (WRONG_SECRET, None, 3, "SignatureDoesNotMatch", 1),
+        (UNKNOWN_KEY, None, 3, "InvalidAccessKeyId", 1),
+        # may list and read: list, GET manifest, HEAD, then the one refused PUT, not retried
+        (READER, None, 3, "AccessDenied", 4),
+        (ADMIN, "no-such-bucket-here", 4, "does not exist", 1),
+    ],
+    ids=["wrong-secret", "unknown-key", "read-only-identity", "missing-bucket"],
+)
+def test_permanent_errors_fail_fast_with_one_clear_line(
+    fault_proxy: FaultProxy, s3_bucket: Bucket, tmp_path: Path,
+    credentials: Credentials, bucket_name: str | None, exit_code: int, says: str, max_requests: int,
+) -> None:
+    make_checkpoint(tmp_path / "local", 1)
+    bucket = bucket_name or s3_bucket.name
+    started = time.monotonic()
+
+    result = run_cli(["sync", str(tmp_path / "local"), f"s3://{bucket}/ckpt"],
+                     cli_env(s3_bucket, credentials, endpoint_url=fault_proxy.endpoint_url))
+
+    elapsed = time.monotonic() - started
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == exit_code, result.stderr
+    assert lines[-1].startswith("uploader: error:") and says in lines[-1]
+    assert bucket in lines[-1] and fault_proxy.endpoint_url in lines[-1]
+    assert "Traceback" not in result.stderr and credentials.secret_key not in result.stderr
+    assert fault_proxy.counters.requests <= max_requests, fault_proxy.counters.request_lines
+    assert elapsed < 20  # no retry storm: seconds, not the minutes a retry budget would take

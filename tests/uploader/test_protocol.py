@@ -1,0 +1,218 @@
+"""The commit protocol (push, pull, retention, resume), run against both a file:// and an S3 remote."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.support.checkpoints import (
+    SMALL_FILES,
+    WITH_LARGE_FILE,
+    complete_steps,
+    corrupt_file,
+    data_files_of,
+    make_checkpoint,
+)
+from tests.support.recording import RecordingRemote
+from uploader.exceptions import CorruptCheckpoint
+from uploader.filesystem import FileRemote
+from uploader.layout import LATEST_KEY, data_key, manifest_key
+from uploader.local import STAGING_PREFIX, LocalCheckpoint, checkpoint_name, list_committed
+from uploader.remote import Remote
+from uploader.sync import list_remote, newest_complete, pull_newest, push, push_all
+
+
+def xattrs_supported(folder: Path) -> bool:
+    probe = folder / "xattr-probe"
+    probe.write_bytes(b"")
+    try:
+        os.setxattr(probe, "user.probe", b"1")
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.unlink()
+
+
+def fail_push_half_way(ckpt: LocalCheckpoint, remote: Remote, keep: int) -> bytes:
+    """Push with one file corrupted locally: the files before it go up, then the push refuses.
+    Returns the original bytes so the caller can repair the file."""
+    victim = ckpt.path / "rng/state.bin"
+    original = victim.read_bytes()
+    corrupt_file(victim)
+    with pytest.raises(CorruptCheckpoint):
+        push(ckpt, remote, keep=keep)
+    return original
+
+
+def test_round_trip_is_byte_identical_and_a_normal_local_checkpoint(remote: Remote, local: Path, restore: Path) -> None:
+    ckpt = make_checkpoint(local, 120, WITH_LARGE_FILE)
+    push(ckpt, remote, keep=3)
+
+    pulled = pull_newest(remote, restore)
+
+    assert pulled is not None and pulled.step == 120 and pulled.name == ckpt.name
+    assert data_files_of(pulled.path) == data_files_of(ckpt.path)
+    assert pulled.manifest() == ckpt.manifest()
+    assert list_committed(restore) == [pulled]
+    assert not [p for p in restore.iterdir() if p.name.startswith(STAGING_PREFIX)]
+
+
+def test_remote_layout_has_manifest_and_latest(remote: Remote, local: Path) -> None:
+    push(make_checkpoint(local, 7), remote, keep=3)
+    name = checkpoint_name(7)
+
+    keys = {o.key for o in remote.list()}
+
+    assert keys == {data_key(name, p) for p in SMALL_FILES} | {manifest_key(name), LATEST_KEY}
+    assert json.loads(remote.read_bytes(LATEST_KEY) or b"") == {"name": name, "step": 7}
+
+
+def test_pull_of_a_step_already_verified_locally_downloads_nothing(remote: Remote, local: Path, restore: Path) -> None:
+    push(make_checkpoint(local, 5), remote, keep=3)
+    first = pull_newest(remote, restore)
+    recording = RecordingRemote(remote)
+
+    again = pull_newest(recording, restore)
+
+    assert again == first
+    assert recording.ops("get_file") == []
+
+
+def test_resumed_upload_skips_files_already_uploaded(remote: Remote, local: Path) -> None:
+    if isinstance(remote, FileRemote) and not xattrs_supported(local.parent):
+        pytest.skip("this file system has no user xattrs: a file:// resume re-copies everything")
+    ckpt = make_checkpoint(local, 3)
+    original = fail_push_half_way(ckpt, remote, keep=3)
+    (ckpt.path / "rng/state.bin").write_bytes(original)
+    recording = RecordingRemote(remote)
+
+    push(ckpt, recording, keep=3)
+
+    assert recording.ops("put_file") == [data_key(ckpt.name, "rng/state.bin"), data_key(ckpt.name, "empty")]
+    assert complete_steps(remote) == [3]
+
+
+def test_an_interrupted_push_is_incomplete_and_never_pulled(remote: Remote, local: Path, restore: Path) -> None:
+    push(make_checkpoint(local, 1), remote, keep=3)
+    newer = make_checkpoint(local, 2)
+    fail_push_half_way(newer, remote, keep=3)
+
+    by_step = {c.step: c for c in list_remote(remote)}
+    pulled = pull_newest(remote, restore)
+
+    assert by_step[1].complete and not by_step[2].complete
+    assert newest_complete(remote) is not None and newest_complete(remote)[0] == 1  # type: ignore[index]
+    assert pulled is not None and pulled.step == 1
+
+
+def test_retention_deletes_only_after_a_newer_commit_and_manifest_first(remote: Remote, local: Path) -> None:
+    for step in (1, 2):
+        push(make_checkpoint(local, step), remote, keep=2)
+    third = make_checkpoint(local, 3)
+    original = fail_push_half_way(third, remote, keep=2)
+    assert complete_steps(remote) == [1, 2]  # the failed commit of 3 deleted nothing
+
+    (third.path / "rng/state.bin").write_bytes(original)
+    recording = RecordingRemote(remote)
+    push(third, recording, keep=2)
+
+    assert complete_steps(remote) == [2, 3]
+    assert {c.step for c in list_remote(remote)} == {2, 3}
+    deletes = recording.ops("delete")
+    assert deletes[0] == [manifest_key(checkpoint_name(1))]
+    assert {k for batch in deletes[1:] for k in batch} == {data_key(checkpoint_name(1), p) for p in SMALL_FILES}
+
+
+def test_push_all_uploads_only_what_is_missing_and_would_be_kept(remote: Remote, local: Path) -> None:
+    ckpts = [make_checkpoint(local, step) for step in (1, 2, 3, 4)]
+    push(ckpts[2], remote, keep=3)
+
+    pushed = push_all(local, remote, keep=3)
+
+    assert pushed == [2, 4]
+    assert complete_steps(remote) == [2, 3, 4]
+
+
+def test_push_all_skips_a_corrupt_local_checkpoint(remote: Remote, local: Path,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    damaged = make_checkpoint(local, 1)
+    make_checkpoint(local, 2)
+    corrupt_file(damaged.path / "model.pt")
+
+    with caplog.at_level(logging.WARNING, logger="uploader.sync"):
+        pushed = push_all(local, remote, keep=3)
+
+    assert pushed == [2] and complete_steps(remote) == [2]
+    assert f"skipping local {damaged.name}" in caplog.text
+
+
+@pytest.mark.parametrize("hostile", ["../../escape-{token}", "../../../escape-{token}", "sub/../../../escape-{token}",
+                                     "{tmp}/abs-escape-{token}"])
+def test_hostile_manifest_is_refused_and_nothing_is_written_outside(
+    remote: Remote, local: Path, restore: Path, tmp_path: Path, hostile: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    push(make_checkpoint(local, 100), remote, keep=3)
+    token = uuid.uuid4().hex
+    path = hostile.format(token=token, tmp=tmp_path)
+    evil = make_checkpoint(tmp_path / "evil", 200).manifest()
+    doc = json.loads(evil.to_json())
+    doc["files"][0]["path"] = path
+    remote.write_bytes(manifest_key(checkpoint_name(200)), json.dumps(doc).encode())
+
+    with caplog.at_level(logging.WARNING, logger="uploader.sync"):
+        pulled = pull_newest(remote, restore)
+
+    assert pulled is not None and pulled.step == 100
+    assert "unsafe file name" in caplog.text
+    assert list(tmp_path.parent.glob(f"**/*{token}*")) == []
+    assert [c.step for c in list_committed(restore)] == [100]
+
+
+def test_corrupt_remote_checkpoint_is_skipped_for_the_previous_one(
+    remote: Remote, local: Path, restore: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    push(make_checkpoint(local, 100), remote, keep=3)
+    newest = make_checkpoint(local, 200)
+    push(newest, remote, keep=3)
+    damaged = bytearray(remote.read_bytes(data_key(newest.name, "model.pt")) or b"")
+    damaged[0] ^= 0xFF
+    remote.write_bytes(data_key(newest.name, "model.pt"), bytes(damaged))
+
+    with caplog.at_level(logging.WARNING, logger="uploader.sync"):
+        pulled = pull_newest(remote, restore)
+
+    assert pulled is not None and pulled.step == 100
+    assert "sha256" in caplog.text and newest.name in caplog.text
+    assert [c.step for c in list_committed(restore)] == [100]
+    assert not [p for p in restore.iterdir() if p.name.startswith(STAGING_PREFIX)]
+
+
+def test_pull_from_an_empty_remote_returns_none(remote: Remote, restore: Path) -> None:
+    assert pull_newest(remote, restore) is None
+    assert newest_complete(remote) is None
+    assert list_remote(remote) == []
+
+
+def test_a_different_save_of_the_same_step_replaces_the_remote_one(remote: Remote, local: Path, restore: Path) -> None:
+    push(make_checkpoint(local, 9, seed=1), remote, keep=3)
+    resaved = make_checkpoint(local, 9, seed=2)  # e.g. re-saved after a resume
+
+    push(resaved, remote, keep=3)
+    pulled = pull_newest(remote, restore)
+
+    assert pulled is not None and data_files_of(pulled.path) == data_files_of(resaved.path)
+
+
+def test_pull_does_not_trust_a_stale_latest(remote: Remote, local: Path, restore: Path) -> None:
+    for step in (1, 2):
+        push(make_checkpoint(local, step), remote, keep=3)
+    remote.write_bytes(LATEST_KEY, json.dumps({"name": checkpoint_name(999), "step": 999}).encode())
+
+    pulled = pull_newest(remote, restore)
+
+    assert pulled is not None and pulled.step == 2

@@ -1,0 +1,140 @@
+"""The sidecar loop, in-process and as the ``uploader watch`` process a pod runs."""
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tests.support.checkpoints import WITH_LARGE_FILE, complete_steps, data_files_of, make_checkpoint
+from tests.support.faultproxy import FaultProxy
+from tests.support.polling import wait_until
+from tests.support.s3server import Bucket, SeaweedFS, fast_config
+from tests.support.uploader_cli import cli_env, uploader_command
+from uploader.config import UploadConfig
+from uploader.exceptions import Aborted
+from uploader.layout import data_key
+from uploader.local import checkpoint_name, mark_finished
+from uploader.remote import Remote, open_remote
+from uploader.sync import pull_newest
+from uploader.watch import WatchOutcome, watch
+
+POLL = 0.05
+Running = tuple[Future[WatchOutcome], threading.Event]  # watch()'s outcome to come, and its stop event
+StartWatch = Callable[..., Running]
+
+
+@pytest.fixture
+def run_watch() -> Iterator[StartWatch]:
+    """Start watch() in a thread: returns (its future outcome, its stop event); stopped at teardown."""
+    pool = ThreadPoolExecutor(max_workers=1)
+    stops: list[threading.Event] = []
+
+    def start(folder: Path, remote: Remote, config: UploadConfig, **kwargs: float) -> Running:
+        stop = threading.Event()
+        stops.append(stop)
+        return pool.submit(watch, folder, remote, config, stop, poll_interval=POLL, **kwargs), stop
+
+    yield start
+    for stop in stops:
+        stop.set()
+    pool.shutdown(wait=True)
+
+
+def test_watch_uploads_the_newest_and_ends_once_the_job_finished(
+    run_watch: StartWatch, tmp_path: Path, local: Path
+) -> None:
+    remote = open_remote(f"file://{tmp_path / 'remote'}", fast_config())
+    make_checkpoint(local, 1)
+    outcome, _ = run_watch(local, remote, fast_config())
+    wait_until(lambda: complete_steps(remote) == [1], what="step 1 uploaded")
+
+    for step in (2, 3, 4):
+        make_checkpoint(local, step)
+    mark_finished(local, 4)
+
+    assert outcome.result(timeout=30) is WatchOutcome.FINISHED
+    assert complete_steps(remote)[-1] == 4
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("ending", ["sigterm", "finished"])
+def test_watch_process_uploads_what_is_committed_then_exits_0(
+    s3_bucket: Bucket, tmp_path: Path, local: Path, ending: str
+) -> None:
+    remote = open_remote(s3_bucket.url(), fast_config(s3_bucket.endpoint_url))
+    make_checkpoint(local, 1)
+    proc = subprocess.Popen(uploader_command("watch", str(local), s3_bucket.url(), "--poll-interval", "0.1"),
+                            env=cli_env(s3_bucket), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: complete_steps(remote) == [1], what="step 1 uploaded")
+        make_checkpoint(local, 2)  # committed just before the end: it must still go up
+        if ending == "sigterm":
+            proc.send_signal(signal.SIGTERM)
+        else:
+            mark_finished(local, 2)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+
+    assert proc.returncode == 0, stderr
+    assert complete_steps(remote) == [1, 2]
+
+
+@pytest.mark.s3
+def test_watch_catches_up_after_the_server_was_stopped_mid_upload(
+    run_watch: StartWatch, restartable_s3: SeaweedFS, aws_env: object, tmp_path: Path, local: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    server = restartable_s3
+    bucket = Bucket(server.create_bucket(), server.endpoint_url)
+    proxy = FaultProxy(server.ports["s3.port"])
+    config = fast_config(proxy.endpoint_url, max_attempts=3, max_retry_seconds=3.0)
+    remote = open_remote(bucket.url(), config)
+    make_checkpoint(local, 1)
+    outcome, _ = run_watch(local, remote, config)
+    wait_until(lambda: complete_steps(remote) == [1], what="step 1 uploaded")
+
+    proxy.delay(0.02)  # slow enough to stop the server while the large file is in flight
+    big = make_checkpoint(local, 2, WITH_LARGE_FILE)
+    wait_until(lambda: any(f"{big.name}/big.bin" in line for line in proxy.counters.request_lines),
+               what="the large file's upload to start")
+    with caplog.at_level(logging.ERROR, logger="uploader.watch"):
+        server.stop()
+        wait_until(lambda: f"trying {big.name} again" in caplog.text, what="the upload to give up once")
+    proxy.passthrough()
+    server.start()
+
+    wait_until(lambda: complete_steps(remote) == [1, 2], timeout=60, what="step 2 uploaded after the restart")
+    mark_finished(local, 2)
+    assert outcome.result(timeout=30) is WatchOutcome.FINISHED
+    pulled = pull_newest(remote, tmp_path / "restore")
+    assert pulled is not None and data_files_of(pulled.path) == data_files_of(big.path)
+    proxy.close()
+
+
+@pytest.mark.s3
+def test_watch_aborts_the_upload_when_the_grace_period_runs_out(
+    fault_proxy: FaultProxy, s3_bucket: Bucket, local: Path
+) -> None:
+    config = fast_config(fault_proxy.endpoint_url)
+    remote = open_remote(s3_bucket.url(), config)
+    make_checkpoint(local, 1)
+    stop = threading.Event()
+    stop.set()  # SIGTERM already arrived: upload what is committed, within the grace period
+    assert watch(local, remote, config, stop, poll_interval=POLL, grace=30) is WatchOutcome.STOPPED
+
+    fault_proxy.delay(0.02)  # the large file now needs seconds; the grace period is half a second
+    make_checkpoint(local, 2, WITH_LARGE_FILE)
+    with pytest.raises(Aborted, match="grace period"):
+        watch(local, remote, config, stop, poll_interval=POLL, grace=0.5)
+
+    fault_proxy.passthrough()
+    assert complete_steps(remote) == [1]
+    assert remote.head(data_key(checkpoint_name(2), "big.bin")) is None  # its multipart upload was aborted

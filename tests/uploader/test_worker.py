@@ -1,0 +1,77 @@
+"""BackgroundUploader: what the job uses when no sidecar runs."""
+from __future__ import annotations
+
+import threading
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.support.checkpoints import complete_steps, make_checkpoint
+from tests.support.faultproxy import FaultProxy
+from tests.support.polling import wait_until
+from tests.support.recording import RecordingRemote
+from tests.support.s3server import Bucket, fast_config
+from uploader.exceptions import AuthError, BucketNotFound, StorageError, TransientStorageError
+from uploader.remote import open_remote
+from uploader.worker import BackgroundUploader
+
+
+def test_a_queued_checkpoint_is_replaced_by_a_newer_one(tmp_path: Path, local: Path) -> None:
+    gate = threading.Event()
+    remote = RecordingRemote(open_remote(f"file://{tmp_path / 'remote'}", fast_config()), gate=gate)
+    uploader = BackgroundUploader(remote, keep=5)
+    first = make_checkpoint(local, 1)
+    uploader.submit(first)
+    assert remote.blocked.wait(10)  # step 1 is uploading (held at the gate)
+
+    uploader.submit(make_checkpoint(local, 2))  # queued...
+    third = make_checkpoint(local, 3)
+    uploader.submit(third)  # ...and replaced before it started
+    assert uploader.pending_paths() == {first.path, third.path}  # what local pruning must spare
+    gate.set()
+
+    assert uploader.wait(30) is True
+    assert uploader.error is None
+    assert complete_steps(remote.inner) == [1, 3]
+    assert uploader.pending_paths() == set()
+    assert uploader.close() is True
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize(
+    ("bucket_name", "secret", "error"),
+    [(f"missing-{uuid.uuid4().hex[:8]}", None, BucketNotFound), (None, "wrong-secret", AuthError)],
+    ids=["missing-bucket", "wrong-secret"],
+)
+def test_wait_reraises_a_permanent_error(s3_bucket: Bucket, local: Path, monkeypatch: pytest.MonkeyPatch,
+                                         bucket_name: str | None, secret: str | None,
+                                         error: type[StorageError]) -> None:
+    if secret is not None:
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    url = f"s3://{bucket_name or s3_bucket.name}/ckpt"
+    uploader = BackgroundUploader(open_remote(url, fast_config(s3_bucket.endpoint_url)), keep=3)
+    uploader.submit(make_checkpoint(local, 1))
+
+    with pytest.raises(error):
+        uploader.wait(30)
+    assert isinstance(uploader.error, error)
+    assert uploader.close(timeout=10) is False
+
+
+@pytest.mark.s3
+def test_wait_is_false_while_storage_is_down_and_true_once_it_is_back(
+    fault_proxy: FaultProxy, s3_bucket: Bucket, local: Path
+) -> None:
+    remote = open_remote(s3_bucket.url(), fast_config(fault_proxy.endpoint_url, max_attempts=2, max_retry_seconds=2))
+    fault_proxy.reset_after(0)  # every connection dies at its first byte
+    uploader = BackgroundUploader(remote, keep=3, retry_interval=0.2)
+    uploader.submit(make_checkpoint(local, 1))
+
+    wait_until(lambda: isinstance(uploader.error, TransientStorageError), what="the first give-up")
+    assert uploader.wait(0.5) is False
+    fault_proxy.passthrough()
+
+    assert uploader.wait(30) is True
+    assert uploader.error is None and complete_steps(remote) == [1]
+    assert uploader.close() is True

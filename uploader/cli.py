@@ -1,0 +1,250 @@
+"""``uploader``: sync checkpoints between a local folder and S3 (or a shared volume).
+
+    uploader sync  LOCAL REMOTE   upload every committed checkpoint not yet complete remotely, once
+    uploader watch LOCAL REMOTE   sidecar: upload each new checkpoint until SIGTERM or the job finishes
+    uploader pull  REMOTE LOCAL   download the newest complete, verified checkpoint
+    uploader ls    REMOTE         list remote checkpoints (table on a terminal, JSON lines otherwise)
+
+REMOTE is ``s3://bucket/prefix`` or ``file:///absolute/path``. Every option can also be set with
+an ``UPLOADER_<OPTION>`` environment variable (shown in --help). Credentials come only from the
+standard AWS chain (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, web identity/IRSA, instance
+profile); the endpoint from --endpoint-url or AWS_ENDPOINT_URL.
+
+Exit codes:
+
+    0  success (watch: stopped by SIGTERM/SIGINT, or the job finished, with everything committed uploaded)
+    1  unexpected error (a storage error none of the below, or a bug)
+    2  usage: a bad option, value or remote URL
+    3  authentication or permission: missing or wrong credentials, access denied
+    4  the bucket (for file://, the folder above the remote path) does not exist
+    5  storage unreachable or failing after every retry (watch: grace period over before the upload ended)
+    6  no complete checkpoint found, or the checkpoint is corrupt
+
+Errors are one line on stderr, without a traceback (``--log-level debug`` logs it).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+from typing import Any, TypeVar
+
+import click
+
+from uploader.config import ADDRESSING_STYLES, UploadConfig
+from uploader.console import print_checkpoints, setup_logging
+from uploader.exceptions import (
+    Aborted,
+    AuthError,
+    BucketNotFound,
+    CorruptCheckpoint,
+    ManifestError,
+    NoCheckpointFound,
+    TransientStorageError,
+    UploaderError,
+)
+from uploader.remote import Remote, open_remote
+from uploader.sync import list_remote, pull_newest, push_all
+from uploader.watch import watch as watch_loop
+
+logger = logging.getLogger(__name__)
+
+EXIT_OK = 0
+EXIT_UNEXPECTED = 1
+EXIT_USAGE = 2
+EXIT_AUTH = 3
+EXIT_NO_BUCKET = 4
+EXIT_UNREACHABLE = 5
+EXIT_NO_CHECKPOINT = 6
+
+_EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
+    (AuthError, EXIT_AUTH),
+    (BucketNotFound, EXIT_NO_BUCKET),
+    (TransientStorageError, EXIT_UNREACHABLE),
+    (Aborted, EXIT_UNREACHABLE),
+    (NoCheckpointFound, EXIT_NO_CHECKPOINT),
+    (CorruptCheckpoint, EXIT_NO_CHECKPOINT),
+    (ManifestError, EXIT_NO_CHECKPOINT),
+)
+
+
+def exit_code(exc: BaseException) -> int:
+    for cls, code in _EXIT_CODES:
+        if isinstance(exc, cls):
+            return code
+    return EXIT_UNEXPECTED
+
+
+class Size(click.ParamType):  # type: ignore[type-arg]  # generic only from click 8.2 on
+    """Bytes, with an optional binary unit: 16MiB, 16M, 1GiB, 4096."""
+
+    name = "size"
+    _UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            return value
+        m = re.fullmatch(r"\s*(\d+)\s*([kmg]?)(?:i?b)?\s*", str(value), re.IGNORECASE)
+        if not m:
+            self.fail(f"{value!r} is not a size such as 16MiB or 1048576", param, ctx)
+        return int(m.group(1)) * self._UNITS[m.group(2).lower()]
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def option(*decls: str, **kwargs: Any) -> Callable[[F], F]:
+    """click.option with the UPLOADER_<OPTION> environment variable, shown in --help with the default."""
+    name = decls[0].lstrip("-").replace("-", "_").upper()
+    return click.option(*decls, envvar=f"UPLOADER_{name}", show_envvar=True, show_default=True, **kwargs)
+
+
+class _Main(click.Group):
+    """Turns our exceptions into one stderr line and the documented exit code."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            raise
+        except UploaderError as e:
+            self._fail(e, exit_code(e))
+        except Exception as e:  # noqa: BLE001 - one line instead of a traceback, as promised
+            self._fail(e, EXIT_UNEXPECTED, prefix=f"unexpected {type(e).__name__}: ")
+
+    @staticmethod
+    def _fail(e: BaseException, code: int, prefix: str = "") -> None:
+        logger.debug("details", exc_info=e)
+        line = " ".join(str(e).split()) or type(e).__name__
+        click.echo(f"uploader: error: {prefix}{line}", err=True)
+        raise click.exceptions.Exit(code)
+
+
+EPILOG = """\b
+Exit codes: 0 ok; 1 unexpected; 2 usage; 3 auth/permission; 4 bucket missing;
+5 storage unreachable after retries (watch: grace over); 6 no checkpoint found / corrupt."""
+
+
+@click.group(cls=_Main, epilog=EPILOG,
+             context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@option("--endpoint-url", default=None,
+        help="S3 endpoint, e.g. http://minio:9000 (default: AWS_ENDPOINT_URL, else AWS).")
+@option("--region", default=None, help="Region for signing (default: boto3's, e.g. AWS_DEFAULT_REGION).")
+@option("--addressing", type=click.Choice(ADDRESSING_STYLES), default="auto",
+        help="Bucket addressing; 'path' for MinIO/SeaweedFS behind one host name.")
+@option("--max-attempts", type=click.IntRange(min=1), default=8, help="Attempts per request (1 = no retry).")
+@option("--max-retry-seconds", type=click.FloatRange(min=0, min_open=True), default=120.0,
+        help="Give up retrying one request after this long.")
+@option("--connect-timeout", type=click.FloatRange(min=0, min_open=True), default=10.0, help="Seconds.")
+@option("--read-timeout", type=click.FloatRange(min=0, min_open=True), default=60.0, help="Seconds.")
+@option("--multipart-threshold", type=Size(), default="64MiB", help="Files this large go up in parts.")
+@option("--part-size", type=Size(), default="16MiB", help="Size of one part (at least 5MiB).")
+@option("--concurrency", type=click.IntRange(1, 64), default=8, help="Parts in flight per file.")
+@option("--keep", type=click.IntRange(min=1), default=3, help="Complete remote checkpoints to keep.")
+@option("--log-level", type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False),
+        default="info", help="Logs go to stderr: text on a terminal, JSON lines otherwise.")
+@click.pass_context
+def main(ctx: click.Context, /, log_level: str, **settings: Any) -> None:
+    """Sync spot-trainer checkpoints with S3 (s3://bucket/prefix) or a shared volume (file:///path).
+
+    Credentials come from the standard AWS chain only; the endpoint from --endpoint-url or AWS_ENDPOINT_URL.
+    """
+    setup_logging(log_level)
+    try:
+        ctx.obj = UploadConfig(**settings)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+
+
+def _open(url: str, config: UploadConfig) -> Remote:
+    try:
+        return open_remote(url, config)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="REMOTE") from None
+
+
+LOCAL = click.Path(file_okay=False, path_type=Path)
+HARD_STOP_MARGIN = 5.0  # seconds after --grace before `watch` exits whatever it is doing
+
+
+def _hard_stop(grace: float) -> None:
+    click.echo(f"uploader: error: still uploading {grace + HARD_STOP_MARGIN:.0f} s after the stop signal "
+               "(--grace plus a margin); exiting, the remote keeps its previous complete checkpoint", err=True)
+    os._exit(EXIT_UNREACHABLE)
+
+
+@main.command()
+@click.argument("local", type=LOCAL)
+@click.argument("remote_url", metavar="REMOTE")
+@click.pass_obj
+def sync(config: UploadConfig, local: Path, remote_url: str) -> None:
+    """Upload every committed checkpoint in LOCAL that REMOTE lacks, then apply retention."""
+    remote = _open(remote_url, config)
+    pushed = push_all(local, remote, config.keep)
+    logger.info("sync done: %d checkpoint(s) uploaded%s", len(pushed), f" {pushed}" if pushed else "")
+
+
+@main.command()
+@click.argument("local", type=LOCAL)
+@click.argument("remote_url", metavar="REMOTE")
+@option("--poll-interval", type=click.FloatRange(min=0, min_open=True), default=2.0,
+        help="Seconds between looks at LOCAL.")
+@option("--grace", type=click.FloatRange(min=0), default=90.0,
+        help="After SIGTERM, seconds left to finish uploading (keep below the pod's terminationGracePeriodSeconds).")
+@click.pass_obj
+def watch(config: UploadConfig, local: Path, remote_url: str, poll_interval: float, grace: float) -> None:
+    """Sidecar: upload each newly committed checkpoint of LOCAL, newest first.
+
+    Exits 0 after SIGTERM/SIGINT once what is committed is uploaded (within --grace), or by itself once
+    the job has marked LOCAL finished and its last checkpoint is uploaded.
+    """
+    remote = _open(remote_url, config)
+    stop = threading.Event()
+
+    def request_stop(signum: int, frame: FrameType | None) -> None:
+        # No logging here: the loop logs it (a signal handler must not take the logging lock).
+        if not stop.is_set():
+            stop.set()
+            # watch() stops retrying when the grace period ends, but a request in flight runs on
+            # until it ends or times out; this is the hard bound the pod's termination budget needs.
+            deadline = threading.Timer(grace + HARD_STOP_MARGIN, _hard_stop, args=(grace,))
+            deadline.daemon = True
+            deadline.start()
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    outcome = watch_loop(local, remote, config, stop, poll_interval=poll_interval, grace=grace)
+    logger.info("watch ended: %s", outcome.value)
+
+
+@main.command()
+@click.argument("remote_url", metavar="REMOTE")
+@click.argument("local", type=LOCAL)
+@click.pass_obj
+def pull(config: UploadConfig, remote_url: str, local: Path) -> None:
+    """Download the newest complete, verified checkpoint of REMOTE into LOCAL; print its folder."""
+    remote = _open(remote_url, config)
+    ckpt = pull_newest(remote, local)
+    if ckpt is None:
+        raise NoCheckpointFound(
+            f"no complete checkpoint that verifies under {remote.url} ({remote.describe()}); "
+            "start from scratch or check the remote URL"
+        )
+    click.echo(str(ckpt.path))
+
+
+@main.command(name="ls")
+@click.argument("remote_url", metavar="REMOTE")
+@click.pass_obj
+def ls(config: UploadConfig, remote_url: str) -> None:
+    """List REMOTE's checkpoints: step, size, time, complete or not."""
+    print_checkpoints(list_remote(_open(remote_url, config)))
+
+
+if __name__ == "__main__":
+    main()

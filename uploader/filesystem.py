@@ -1,0 +1,222 @@
+"""The file:// Remote: a shared volume or NFS mount standing in for a bucket.
+
+Objects are files under the root folder; every write goes to a hidden temporary file in the same
+folder, is fsynced and checked, then renamed into place, so a reader sees a whole object or none
+(the same guarantee an S3 PUT gives). The sha256 is kept in a ``user.sha256`` extended attribute
+where the file system supports it; where it does not, a resumed upload simply re-copies the file.
+
+Operations are not retried (see uploader.retry): OSErrors surface as StorageError at once.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import threading
+import uuid
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import BinaryIO
+from urllib.parse import urlparse
+
+from uploader.exceptions import Aborted, BucketNotFound, CorruptCheckpoint, StorageError
+from uploader.hashing import CHUNK, fsync_dir
+from uploader.remote import ObjectInfo, OnBytes
+
+logger = logging.getLogger(__name__)
+
+TMP_MARKER = ".uploader-tmp-"
+XATTR_SHA256 = "user.sha256"
+
+
+class FileRemote:
+    """A Remote rooted at a local folder. The folder is created on first write; its parent must exist."""
+
+    def __init__(self, root: Path) -> None:
+        if not root.is_absolute():
+            raise ValueError(f"file:// remotes need an absolute path, not {str(root)!r}")
+        self.root = root
+        self.url = f"file://{root}"
+
+    @classmethod
+    def from_url(cls, url: str) -> FileRemote:
+        parsed = urlparse(url)
+        if parsed.scheme != "file" or parsed.netloc not in ("", "localhost") or not parsed.path.startswith("/"):
+            raise ValueError(f"not a file remote: {url!r}; expected file:///absolute/path (three slashes)")
+        return cls(Path(parsed.path))
+
+    def describe(self) -> str:
+        return f"folder {str(self.root)!r}"
+
+    def close(self) -> None:
+        pass
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        if not self.root.is_dir():
+            return []
+        found = []
+        try:
+            for folder, dirs, files in os.walk(self.root):
+                dirs.sort()
+                for name in files:
+                    if name.startswith(TMP_MARKER):
+                        continue
+                    path = Path(folder, name)
+                    key = path.relative_to(self.root).as_posix()
+                    if key.startswith(prefix):
+                        st = path.stat()
+                        found.append(ObjectInfo(key, st.st_size, st.st_mtime))
+        except OSError as e:
+            raise StorageError(f"cannot list {self.describe()}: {e.strerror}") from None
+        return sorted(found, key=lambda o: o.key)
+
+    def head(self, key: str) -> ObjectInfo | None:
+        path = self._path(key)
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise StorageError(f"cannot stat {path}: {e.strerror}") from None
+        return ObjectInfo(key, st.st_size, st.st_mtime, _get_sha256(path))
+
+    def read_bytes(self, key: str) -> bytes | None:
+        try:
+            return self._path(key).read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise StorageError(f"cannot read {key} in {self.describe()}: {e.strerror}") from None
+
+    def write_bytes(self, key: str, data: bytes) -> None:
+        digest = hashlib.sha256(data).hexdigest()
+        with self._atomic(key) as tmp:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            _set_sha256(tmp, digest)
+
+    def put_file(
+        self,
+        key: str,
+        path: Path,
+        *,
+        size: int,
+        sha256: str,
+        on_bytes: OnBytes | None = None,
+        abort: threading.Event | None = None,
+    ) -> None:
+        with self._atomic(key) as tmp:
+            try:
+                src = open(path, "rb")
+            except OSError as e:
+                raise CorruptCheckpoint(f"cannot read {path}: {e.strerror}") from None
+            with src, open(tmp, "wb") as dst:
+                actual_size, actual_sha = _copy(src, dst, on_bytes, abort)
+            if actual_size != size or actual_sha != sha256:
+                raise CorruptCheckpoint(f"{path} does not match its manifest (size or sha256); not uploading it")
+            _set_sha256(tmp, sha256)
+
+    def get_file(
+        self,
+        key: str,
+        path: Path,
+        *,
+        size: int,
+        sha256: str,
+        on_bytes: OnBytes | None = None,
+        abort: threading.Event | None = None,
+    ) -> None:
+        src_path = self._path(key)
+        try:
+            src = open(src_path, "rb")
+        except FileNotFoundError:
+            raise CorruptCheckpoint(f"{self.url}/{key} is missing") from None
+        except OSError as e:
+            raise StorageError(f"cannot read {key} in {self.describe()}: {e.strerror}") from None
+        with src, open(path, "wb") as dst:
+            actual_size, actual_sha = _copy(src, dst, on_bytes, abort)
+        if actual_size != size:
+            raise CorruptCheckpoint(f"{self.url}/{key} has {actual_size} bytes, the manifest says {size}")
+        if actual_sha != sha256:
+            raise CorruptCheckpoint(f"{self.url}/{key} fails its sha256 check")
+
+    def delete(self, keys: Sequence[str]) -> None:
+        parents = set()
+        for key in keys:
+            path = self._path(key)
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as e:
+                raise StorageError(f"cannot delete {key} in {self.describe()}: {e.strerror}") from None
+            parents.add(path.parent)
+        # Remove folders left empty, deepest first, never the root itself.
+        for folder in sorted(parents, key=lambda p: len(p.parts), reverse=True):
+            while folder != self.root and self.root in folder.parents:
+                try:
+                    folder.rmdir()
+                except OSError:
+                    break
+                folder = folder.parent
+
+    # -- plumbing -------------------------------------------------------------------------------
+
+    def _path(self, key: str) -> Path:
+        """The file of a key; keys come from uploader.layout, but refuse escapes all the same."""
+        parts = key.split("/")
+        if not key or any(p in ("", ".", "..") for p in parts):
+            raise ValueError(f"unsafe key {key!r}")
+        return self.root.joinpath(*parts)
+
+    @contextlib.contextmanager
+    def _atomic(self, key: str) -> Iterator[Path]:
+        """A temporary file next to the key's file, renamed into place if the block succeeds."""
+        target = self._path(key)
+        if not self.root.parent.is_dir():
+            raise BucketNotFound(f"{self.root.parent} does not exist: mount the shared volume or fix the file:// URL")
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StorageError(f"cannot create {target.parent}: {e.strerror}") from None
+        tmp = target.parent / f"{TMP_MARKER}{target.name}-{uuid.uuid4().hex[:8]}"
+        try:
+            yield tmp
+            os.replace(tmp, target)
+            fsync_dir(target.parent)
+        except OSError as e:
+            raise StorageError(f"cannot write {target}: {e.strerror}") from None
+        finally:
+            tmp.unlink(missing_ok=True)
+
+
+def _copy(src: BinaryIO, dst: BinaryIO, on_bytes: OnBytes | None, abort: threading.Event | None) -> tuple[int, str]:
+    """Copy in large chunks, hashing on the way (each byte read once); fsync the destination."""
+    digest = hashlib.sha256()
+    size = 0
+    while chunk := src.read(CHUNK):
+        if abort is not None and abort.is_set():
+            raise Aborted(f"copy to {dst.name} stopped on request")
+        digest.update(chunk)
+        dst.write(chunk)
+        size += len(chunk)
+        if on_bytes is not None:
+            on_bytes(len(chunk))
+    dst.flush()
+    os.fsync(dst.fileno())
+    return size, digest.hexdigest()
+
+
+def _set_sha256(path: Path, sha256: str) -> None:
+    try:
+        os.setxattr(path, XATTR_SHA256, sha256.encode())
+    except OSError:
+        logger.debug("no extended attributes on %s; a resumed upload will copy it again", path)
+
+
+def _get_sha256(path: Path) -> str | None:
+    try:
+        return os.getxattr(path, XATTR_SHA256).decode()
+    except OSError:
+        return None

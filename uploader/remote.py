@@ -1,0 +1,113 @@
+"""The Remote interface: the few storage operations the commit protocol needs, and open_remote().
+
+Keys are '/'-separated and relative to the remote's root (``s3://bucket/<prefix>`` or
+``file:///<path>``); uploader.layout decides which keys a checkpoint uses. Implementations:
+uploader.s3 (S3 and S3-compatible servers) and uploader.filesystem (a shared volume / NFS).
+
+``put_file`` and ``get_file`` are *verified* transfers: both check size and sha256 against what the
+manifest says while the bytes stream (each file is read once) and raise CorruptCheckpoint on a
+mismatch, leaving nothing at the destination key that looks complete.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+from urllib.parse import urlparse
+
+from uploader.config import UploadConfig
+
+OnBytes = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One stored object. ``sha256`` is only known from ``head`` (it is object metadata)."""
+
+    key: str
+    size: int
+    modified: float
+    sha256: str | None = None
+
+
+class Remote(Protocol):
+    """What the commit protocol needs from a storage backend; see the module docstring."""
+
+    url: str
+
+    def describe(self) -> str:
+        """Where this remote is, for messages: bucket and endpoint, or the folder."""
+        ...
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        """Every object whose key starts with ``prefix``, in key order."""
+        ...
+
+    def head(self, key: str) -> ObjectInfo | None:
+        """Size and stored sha256 of one object, None if it does not exist."""
+        ...
+
+    def read_bytes(self, key: str) -> bytes | None:
+        """A small object's content (manifest, ``latest``), None if it does not exist."""
+        ...
+
+    def write_bytes(self, key: str, data: bytes) -> None:
+        """Create or replace a small object atomically (readers see the old or the new content)."""
+        ...
+
+    def put_file(
+        self,
+        key: str,
+        path: Path,
+        *,
+        size: int,
+        sha256: str,
+        on_bytes: OnBytes | None = None,
+        abort: threading.Event | None = None,
+    ) -> None:
+        """Upload a local file whose size and sha256 must match; the sha256 is stored with the object."""
+        ...
+
+    def get_file(
+        self,
+        key: str,
+        path: Path,
+        *,
+        size: int,
+        sha256: str,
+        on_bytes: OnBytes | None = None,
+        abort: threading.Event | None = None,
+    ) -> None:
+        """Download into ``path`` (fsynced), hashing while writing; CorruptCheckpoint if missing or different."""
+        ...
+
+    def delete(self, keys: Sequence[str]) -> None:
+        """Delete objects, in the order given; missing ones are not an error."""
+        ...
+
+    def close(self) -> None:
+        """Release connections and threads."""
+        ...
+
+
+def open_remote(url: str, config: UploadConfig) -> Remote:
+    """A Remote for ``s3://bucket/prefix`` or ``file:///absolute/path``; ValueError for anything else.
+
+    No request is made here: a wrong bucket or credentials show up (as BucketNotFound / AuthError)
+    on the first operation. The backends are imported here so that file:// never loads boto3.
+    """
+    scheme = urlparse(url).scheme
+    if scheme == "s3":
+        from uploader.s3 import S3Remote
+
+        return S3Remote.from_url(url, config)
+    if scheme == "file":
+        from uploader.filesystem import FileRemote
+
+        return FileRemote.from_url(url)
+    raise ValueError(
+        f"unsupported remote {url!r}: use s3://bucket/prefix (S3 or an S3-compatible server) "
+        f"or file:///absolute/path (a shared volume)"
+    )

@@ -1,0 +1,426 @@
+"""The S3 Remote: boto3, one attempt per botocore call, tenacity around each operation (uploader.retry).
+
+Works with AWS S3 and S3-compatible servers (MinIO, SeaweedFS, Ceph): path-style addressing is
+available, and the SDK's newer default checksums are switched to "when_required" because many such
+servers reject or mangle them. Integrity is ours instead: every file's sha256 is checked while it
+streams, and stored as ``x-amz-meta-sha256`` so that a resumed upload can skip what is already there.
+
+Credentials come only from boto3's standard chain (environment, shared files, web identity / IRSA,
+container and instance profiles). They are never passed around, printed or logged; error messages
+name the bucket and endpoint instead.
+
+Large files go up as multipart uploads and come down as ranged GETs, ``concurrency`` parts at a time
+(uploader.parallel), each file read or written once and hashed in order.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import urlparse
+
+import boto3
+from botocore import exceptions as boto_errors
+from botocore.config import Config
+from tenacity import RetryError
+
+from uploader.config import MAX_PARTS, MiB, UploadConfig
+from uploader.exceptions import (
+    Aborted,
+    AuthError,
+    BucketNotFound,
+    CorruptCheckpoint,
+    StorageError,
+    TransientStorageError,
+    UploaderError,
+)
+from uploader.parallel import ordered_map
+from uploader.remote import ObjectInfo, OnBytes
+from uploader.retry import describe, error_code, is_transient, retrying
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+SHA256_METADATA = "sha256"  # sent as the x-amz-meta-sha256 header
+DELETE_BATCH = 1000  # the most keys one DeleteObjects request takes
+
+_AUTH_CODES = frozenset(
+    {
+        "AccessDenied",
+        "AllAccessDisabled",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "InvalidToken",
+        "ExpiredToken",
+        "TokenRefreshRequired",
+        "AuthorizationHeaderMalformed",
+    }
+)
+_CREDENTIAL_ERRORS = (
+    boto_errors.NoCredentialsError,
+    boto_errors.PartialCredentialsError,
+    boto_errors.CredentialRetrievalError,
+)
+
+
+def make_client(config: UploadConfig) -> Any:
+    """An S3 client that never retries by itself (tenacity does, see uploader.retry).
+
+    ``endpoint_url=None`` lets botocore use AWS_ENDPOINT_URL (or AWS_ENDPOINT_URL_S3) if set.
+    """
+    botocore_config = Config(
+        region_name=config.region,
+        connect_timeout=config.connect_timeout,
+        read_timeout=config.read_timeout,
+        retries={"total_max_attempts": 1, "mode": "standard"},
+        s3={"addressing_style": config.addressing},
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
+        max_pool_connections=config.concurrency + 4,
+        tcp_keepalive=True,
+        user_agent_extra="spot-trainer-uploader",
+    )
+    return boto3.session.Session().client("s3", endpoint_url=config.endpoint_url, config=botocore_config)
+
+
+def part_size_for(size: int, preferred: int) -> int:
+    """``preferred``, grown in whole MiB when a file would otherwise need more than 10 000 parts."""
+    if size <= preferred * MAX_PARTS:
+        return preferred
+    minimum = -(-size // MAX_PARTS)
+    return -(-minimum // MiB) * MiB
+
+
+class S3Remote:
+    """A Remote rooted at ``s3://bucket/prefix``; thread-safe (boto3 clients are)."""
+
+    def __init__(self, bucket: str, prefix: str, config: UploadConfig, client: Any | None = None) -> None:
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.config = config
+        self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
+        self._client = client if client is not None else make_client(config)
+
+    @classmethod
+    def from_url(cls, url: str, config: UploadConfig) -> S3Remote:
+        parsed = urlparse(url)
+        if parsed.scheme != "s3" or not parsed.netloc or parsed.query or parsed.fragment:
+            raise ValueError(f"not an S3 remote: {url!r}; expected s3://bucket/prefix")
+        return cls(parsed.netloc, parsed.path, config)
+
+    @property
+    def endpoint(self) -> str:
+        return str(self._client.meta.endpoint_url)
+
+    def describe(self) -> str:
+        return f"bucket {self.bucket!r} at {self.endpoint}"
+
+    def close(self) -> None:
+        self._client.close()
+
+    # -- the Remote operations ------------------------------------------------------------------
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        root = f"{self.prefix}/" if self.prefix else ""
+        found: list[ObjectInfo] = []
+        token: str | None = None
+        while True:
+            kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": root + prefix}
+            if token:
+                kwargs["ContinuationToken"] = token
+            page = self._call(f"list {self.url}/{prefix}", functools.partial(self._client.list_objects_v2, **kwargs))
+            for obj in page.get("Contents", []):
+                found.append(ObjectInfo(obj["Key"][len(root):], int(obj["Size"]), obj["LastModified"].timestamp()))
+            if not page.get("IsTruncated"):
+                return found
+            token = page["NextContinuationToken"]
+
+    def head(self, key: str) -> ObjectInfo | None:
+        def op() -> ObjectInfo | None:
+            try:
+                reply = self._client.head_object(Bucket=self.bucket, Key=self._key(key))
+            except boto_errors.ClientError as e:
+                if error_code(e)[1] == 404:
+                    return None
+                raise
+            return ObjectInfo(
+                key,
+                int(reply["ContentLength"]),
+                reply["LastModified"].timestamp(),
+                reply.get("Metadata", {}).get(SHA256_METADATA),
+            )
+
+        return self._call(f"HEAD {key}", op)
+
+    def read_bytes(self, key: str) -> bytes | None:
+        def op() -> bytes | None:
+            try:
+                reply = self._client.get_object(Bucket=self.bucket, Key=self._key(key))
+            except boto_errors.ClientError as e:
+                if error_code(e)[0] == "NoSuchKey":
+                    return None
+                raise
+            with contextlib.closing(reply["Body"]) as body:
+                return bytes(body.read())
+
+        return self._call(f"GET {key}", op)
+
+    def write_bytes(self, key: str, data: bytes) -> None:
+        digest = hashlib.sha256(data).hexdigest()
+        self._call(
+            f"PUT {key}",
+            lambda: self._client.put_object(
+                Bucket=self.bucket, Key=self._key(key), Body=data, Metadata={SHA256_METADATA: digest}
+            ),
+        )
+
+    def put_file(
+        self,
+        key: str,
+        path: Path,
+        *,
+        size: int,
+        sha256: str,
+        on_bytes: OnBytes | None = None,
+        abort: threading.Event | None = None,
+    ) -> None:
+        try:
+            actual = path.stat().st_size
+        except OSError as e:
+            raise CorruptCheckpoint(f"cannot read {path}: {e.strerror}") from None
+        if actual != size:
+            raise CorruptCheckpoint(f"{path} has {actual} bytes, the manifest says {size}")
+        if size < self.config.multipart_threshold:
+            self._put_single(key, path, size, sha256, on_bytes, abort)
+        else:
+            self._put_multipart(key, path, size, sha256, on_bytes, abort)
+
+    def get_file(
+        self,
+        key: str,
+        path: Path,
+        *,
+        size: int,
+        sha256: str,
+        on_bytes: OnBytes | None = None,
+        abort: threading.Event | None = None,
+    ) -> None:
+        info = self.head(key)
+        if info is None:
+            raise CorruptCheckpoint(f"{self.url}/{key} is missing")
+        if info.size != size:
+            raise CorruptCheckpoint(f"{self.url}/{key} has {info.size} bytes, the manifest says {size}")
+        step = self.config.part_size
+        ranges = [(start, min(start + step, size) - 1) for start in range(0, size, step)]
+        failed = threading.Event()
+        should_abort = _either(failed, abort)
+
+        def fetch(span: tuple[int, int]) -> bytes:
+            first, last = span
+
+            def op() -> bytes:
+                reply = self._client.get_object(Bucket=self.bucket, Key=self._key(key), Range=f"bytes={first}-{last}")
+                with contextlib.closing(reply["Body"]) as body:
+                    return bytes(body.read())
+
+            data = self._call(f"GET {key} bytes {first}-{last}", op, should_abort)
+            if len(data) != last - first + 1:
+                raise CorruptCheckpoint(f"{self.url}/{key}: asked for bytes {first}-{last}, got {len(data)} bytes")
+            return data
+
+        digest = hashlib.sha256()
+        with open(path, "wb") as f:
+            window = max(1, min(self.config.concurrency, len(ranges)))
+            parts_in_order = ordered_map(fetch, ranges, window=window, failed=failed, name="uploader-get")
+            with contextlib.closing(parts_in_order) as parts:
+                for data in parts:
+                    f.write(data)
+                    digest.update(data)
+                    if on_bytes is not None:
+                        on_bytes(len(data))
+            f.flush()
+            os.fsync(f.fileno())
+        if digest.hexdigest() != sha256:
+            raise CorruptCheckpoint(f"{self.url}/{key} fails its sha256 check")
+
+    def delete(self, keys: Sequence[str]) -> None:
+        for start in range(0, len(keys), DELETE_BATCH):
+            batch = [{"Key": self._key(k)} for k in keys[start : start + DELETE_BATCH]]
+            reply = self._call(
+                f"delete {len(batch)} object(s) under {self.url}",
+                functools.partial(self._client.delete_objects, Bucket=self.bucket,
+                                  Delete={"Objects": batch, "Quiet": True}),
+            )
+            errors = [e for e in reply.get("Errors", []) if e.get("Code") != "NoSuchKey"]
+            if errors:
+                first = errors[0]
+                raise StorageError(
+                    f"{self.describe()} refused to delete {len(errors)} object(s), e.g. {first.get('Key')}: "
+                    f"{first.get('Code')}; check that the credentials may delete objects"
+                )
+
+    # -- transfers ------------------------------------------------------------------------------
+
+    def _put_single(
+        self, key: str, path: Path, size: int, sha256: str, on_bytes: OnBytes | None, abort: threading.Event | None
+    ) -> None:
+        """Small files: read once into memory, check, then PUT (a retry re-sends the same bytes)."""
+        data = _read_local(path)
+        if len(data) != size or hashlib.sha256(data).hexdigest() != sha256:
+            raise CorruptCheckpoint(f"{path} does not match its manifest (size or sha256); not uploading it")
+        self._call(
+            f"PUT {key}",
+            lambda: self._client.put_object(
+                Bucket=self.bucket, Key=self._key(key), Body=data, Metadata={SHA256_METADATA: sha256}
+            ),
+            _either(None, abort),
+        )
+        if on_bytes is not None:
+            on_bytes(size)
+
+    def _put_multipart(
+        self, key: str, path: Path, size: int, sha256: str, on_bytes: OnBytes | None, abort: threading.Event | None
+    ) -> None:
+        """Large files: parts read in order (hashed as read), sent ``concurrency`` at a time.
+
+        The upload is completed only if the bytes read hash to the manifest's sha256, so a local file
+        that rotted never becomes a remote object; any failure aborts the multipart upload.
+        """
+        full = self._key(key)
+        part_size = part_size_for(size, self.config.part_size)
+        failed = threading.Event()
+        should_abort = _either(failed, abort)
+        upload_id = self._call(
+            f"start multipart upload of {key}",
+            lambda: self._client.create_multipart_upload(
+                Bucket=self.bucket, Key=full, Metadata={SHA256_METADATA: sha256}
+            )["UploadId"],
+            should_abort,
+        )
+        digest = hashlib.sha256()
+        read = 0
+
+        def chunks() -> Iterator[tuple[int, bytes]]:
+            nonlocal read
+            try:
+                with open(path, "rb") as f:
+                    number = 1
+                    while chunk := f.read(part_size):
+                        digest.update(chunk)
+                        read += len(chunk)
+                        yield number, chunk
+                        number += 1
+            except OSError as e:
+                raise CorruptCheckpoint(f"cannot read {path}: {e.strerror}") from None
+
+        def send(item: tuple[int, bytes]) -> dict[str, Any]:
+            number, chunk = item
+            etag = self._call(
+                f"upload part {number} of {key}",
+                lambda: self._client.upload_part(
+                    Bucket=self.bucket, Key=full, UploadId=upload_id, PartNumber=number, Body=chunk
+                )["ETag"],
+                should_abort,
+            )
+            if on_bytes is not None:
+                on_bytes(len(chunk))
+            return {"ETag": etag, "PartNumber": number}
+
+        try:
+            with contextlib.closing(
+                ordered_map(send, chunks(), window=self.config.concurrency, failed=failed, name="uploader-put")
+            ) as sent:
+                parts = list(sent)
+            if read != size or digest.hexdigest() != sha256:
+                raise CorruptCheckpoint(f"{path} does not match its manifest (size or sha256); not uploading it")
+            self._call(
+                f"complete multipart upload of {key}",
+                lambda: self._client.complete_multipart_upload(
+                    Bucket=self.bucket, Key=full, UploadId=upload_id, MultipartUpload={"Parts": parts}
+                ),
+                _either(None, abort),
+            )
+        except BaseException:
+            self._abort_multipart(full, upload_id)
+            raise
+
+    def _abort_multipart(self, full_key: str, upload_id: str) -> None:
+        """Best effort, one attempt: a bucket lifecycle rule (AbortIncompleteMultipartUpload) catches the rest."""
+        try:
+            self._client.abort_multipart_upload(Bucket=self.bucket, Key=full_key, UploadId=upload_id)
+        except (boto_errors.BotoCoreError, boto_errors.ClientError) as e:
+            logger.warning("could not abort the multipart upload of %s (%s); it holds storage until a "
+                           "lifecycle rule removes it", full_key, describe(e))
+
+    # -- plumbing -------------------------------------------------------------------------------
+
+    def _key(self, key: str) -> str:
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _call(self, what: str, fn: Callable[[], T], abort: Callable[[], bool] | None = None) -> T:
+        """Run one operation under the retry policy and turn botocore errors into ours."""
+        if abort is not None and abort():
+            raise Aborted(f"{what} on {self.url}: stopped on request")
+        try:
+            return retrying(self.config, what, abort)(fn)
+        except RetryError as e:
+            if abort is not None and abort():
+                raise Aborted(f"{what} on {self.url}: stopped on request") from None
+            last = e.last_attempt
+            raise self._error(what, last.exception(), attempts=last.attempt_number) from None
+        except UploaderError:
+            raise
+        except (boto_errors.BotoCoreError, boto_errors.ClientError) as e:
+            raise self._error(what, e) from None
+
+    def _error(self, what: str, exc: BaseException | None, attempts: int = 1) -> UploaderError:
+        """One exception type per failure; one line naming bucket and endpoint, never a credential."""
+        where = self.describe()
+        if exc is None:
+            return StorageError(f"{what} on {where} failed")
+        if isinstance(exc, _CREDENTIAL_ERRORS):
+            return AuthError(
+                f"no usable S3 credentials for {where} ({type(exc).__name__}): provide them through the "
+                "standard AWS chain (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, web identity/IRSA "
+                "or an instance profile)"
+            )
+        code, status = error_code(exc)
+        if status == 403 or code in _AUTH_CODES:
+            return AuthError(
+                f"access denied ({code if code and code != '403' else 'HTTP 403'}) by {where} during {what}: "
+                "check the credentials (access key and secret, or the role) and that they may list, read, "
+                "write and delete in the bucket"
+            )
+        if code == "NoSuchBucket":
+            return BucketNotFound(
+                f"bucket {self.bucket!r} does not exist at {self.endpoint}: create it, or fix the remote URL "
+                "or --endpoint-url"
+            )
+        if is_transient(exc):
+            return TransientStorageError(
+                f"{what} on {where} still failing after {attempts} attempt(s) ({describe(exc)}): check that "
+                "the endpoint is reachable and healthy; the remote keeps its previous complete checkpoint"
+            )
+        return StorageError(f"{what} on {where} failed: {describe(exc)}")
+
+
+def _either(failed: threading.Event | None, abort: threading.Event | None) -> Callable[[], bool] | None:
+    """One predicate for "stop now": a sibling part failed, or the caller asked to abort."""
+    events = [e for e in (failed, abort) if e is not None]
+    if not events:
+        return None
+    return lambda: any(e.is_set() for e in events)
+
+
+def _read_local(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise CorruptCheckpoint(f"cannot read {path}: {e.strerror}") from None

@@ -1,0 +1,134 @@
+"""The sidecar loop: upload each newly committed checkpoint, newest first, until told to stop.
+
+Only the newest committed checkpoint matters after a preemption, so when several were committed
+during one upload the older ones are skipped. Storage outages are ridden out: an upload that gives
+up (TransientStorageError) is tried again on the next poll and resumes where it stopped. Wrong
+credentials or a missing bucket end the loop at once (they will not fix themselves).
+
+It ends by itself, FINISHED, once the job has marked the folder finished (uploader.local.mark_finished)
+and that step is uploaded. When ``stop`` is set (SIGTERM in the CLI) it uploads what is committed
+and returns STOPPED; if that takes longer than ``grace`` seconds the upload in flight is aborted and
+Aborted is raised, leaving the remote at its previous complete checkpoint.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+from pathlib import Path
+
+from uploader.config import UploadConfig
+from uploader.exceptions import Aborted, CorruptCheckpoint, ManifestError, TransientStorageError
+from uploader.local import LocalCheckpoint, list_committed, read_finished
+from uploader.manifest import MANIFEST_NAME
+from uploader.remote import Remote
+from uploader.sync import push
+
+logger = logging.getLogger(__name__)
+
+
+class WatchOutcome(enum.Enum):
+    FINISHED = "finished"  # the job is done and its last checkpoint is uploaded
+    STOPPED = "stopped"  # stop was requested and everything committed is uploaded
+
+
+def watch(
+    folder: Path,
+    remote: Remote,
+    config: UploadConfig,
+    stop: threading.Event,
+    *,
+    poll_interval: float = 2.0,
+    grace: float = 90.0,
+) -> WatchOutcome:
+    """Run until FINISHED or stopped (see the module docstring); ``stop`` may be set from any thread."""
+    if poll_interval <= 0 or grace < 0:
+        raise ValueError("poll_interval must be > 0 and grace >= 0")
+    abort = threading.Event()
+    returned = threading.Event()
+    timer = threading.Thread(target=_grace_timer, args=(stop, abort, returned, grace), name="uploader-grace",
+                             daemon=True)
+    timer.start()
+    logger.info("watching %s, uploading to %s (keep %d)", folder, remote.url, config.keep)
+    try:
+        return _loop(folder, remote, config.keep, stop, abort, poll_interval, grace)
+    finally:
+        returned.set()
+        timer.join()
+
+
+def _grace_timer(stop: threading.Event, abort: threading.Event, returned: threading.Event, grace: float) -> None:
+    """Once ``stop`` is set, allow ``grace`` seconds, then abort whatever upload is in flight."""
+    while not stop.wait(0.1):
+        if returned.is_set():
+            return
+    if not returned.wait(grace):
+        abort.set()
+
+
+def _loop(
+    folder: Path,
+    remote: Remote,
+    keep: int,
+    stop: threading.Event,
+    abort: threading.Event,
+    poll_interval: float,
+    grace: float,
+) -> WatchOutcome:
+    uploaded: tuple[int, int, int] | None = None  # (step, manifest inode, manifest mtime) last pushed
+    given_up: set[tuple[int, int, int]] = set()  # local checkpoints that do not verify: not retried
+    announced_stop = False
+    while True:
+        if stop.is_set() and not announced_stop:
+            announced_stop = True
+            logger.info("stop requested: uploading what is committed (at most %.0f s more)", grace)
+        pending = _pending(folder, uploaded, given_up)
+        if pending is not None:
+            ckpt, identity = pending
+            try:
+                push(ckpt, remote, keep, abort=abort)
+            except (CorruptCheckpoint, ManifestError) as e:
+                logger.warning("skipping local %s: %s", ckpt.name, e)
+                given_up.add(identity)
+                continue
+            except TransientStorageError as e:
+                logger.error("%s; trying %s again in %.0f s", e, ckpt.name, poll_interval)
+                abort.wait(poll_interval)
+                continue
+            except Aborted:
+                raise Aborted(
+                    f"the grace period of {grace:.0f} s ran out before {ckpt.name} was uploaded to "
+                    f"{remote.url}; the remote keeps its previous complete checkpoint"
+                ) from None
+            uploaded = identity
+            continue  # look again at once: a newer checkpoint may have been committed meanwhile
+        finished = read_finished(folder)
+        if finished is not None and uploaded is not None and uploaded[0] >= finished:
+            logger.info("the job finished at step %d and it is uploaded; exiting", finished)
+            return WatchOutcome.FINISHED
+        if stop.is_set():
+            logger.info("everything committed is uploaded; exiting")
+            return WatchOutcome.STOPPED
+        stop.wait(poll_interval)
+
+
+def _pending(
+    folder: Path, uploaded: tuple[int, int, int] | None, given_up: set[tuple[int, int, int]]
+) -> tuple[LocalCheckpoint, tuple[int, int, int]] | None:
+    """The newest committed checkpoint if it still needs uploading, with its identity.
+
+    The identity includes the manifest's inode and mtime so that a re-save of the same step
+    (after a resume) counts as new.
+    """
+    for ckpt in reversed(list_committed(folder)):
+        try:
+            st = (ckpt.path / MANIFEST_NAME).stat()
+        except FileNotFoundError:
+            continue  # pruned by the job since the listing
+        identity = (ckpt.step, st.st_ino, st.st_mtime_ns)
+        if identity in given_up:
+            continue
+        if identity == uploaded or (uploaded is not None and ckpt.step < uploaded[0]):
+            return None
+        return ckpt, identity
+    return None

@@ -1,0 +1,144 @@
+"""BackgroundUploader: pushes checkpoints from a daemon thread when the job runs without a sidecar.
+
+The training loop must never wait on storage, so ``submit`` only records the checkpoint: if one is
+still queued (not started), the newer replaces it, because only the newest matters after a
+preemption. Transient storage failures are retried (the same checkpoint, unless a newer one
+arrived) after ``retry_interval``; anything else (AuthError, BucketNotFound, a corrupt local
+checkpoint) is kept in ``error`` and re-raised by ``wait`` so that the job fails loudly instead of
+training for days without a remote copy.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+from uploader.exceptions import Aborted, TransientStorageError
+from uploader.local import LocalCheckpoint
+from uploader.remote import Remote
+from uploader.sync import push
+
+logger = logging.getLogger(__name__)
+
+
+class BackgroundUploader:
+    """One daemon thread, at most one checkpoint queued behind the one uploading."""
+
+    def __init__(self, remote: Remote, keep: int = 3, *, retry_interval: float = 5.0) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, not {keep}")
+        self._remote = remote
+        self._keep = keep
+        self._retry_interval = retry_interval
+        self._cond = threading.Condition()
+        self._queued: LocalCheckpoint | None = None
+        self._current: LocalCheckpoint | None = None
+        self._busy = False
+        self._closing = False
+        self._abort = threading.Event()
+        self._error: BaseException | None = None
+        self._fatal = False  # the last failure is not transient: wait() re-raises it
+        self._thread = threading.Thread(target=self._run, name="uploader-background", daemon=True)
+        self._thread.start()
+
+    @property
+    def error(self) -> BaseException | None:
+        """The exception of the last failed upload; None once an upload succeeds."""
+        with self._cond:
+            return self._error
+
+    def pending_paths(self) -> set[Path]:
+        """Folders of the checkpoints queued or uploading: pass them to uploader.local.prune(protect=...)
+        so that local retention never deletes a checkpoint under its upload."""
+        with self._cond:
+            return {c.path for c in (self._current, self._queued) if c is not None}
+
+    def submit(self, ckpt: LocalCheckpoint) -> None:
+        """Queue ``ckpt`` for upload and return at once; replaces a queued, not yet started one."""
+        with self._cond:
+            if self._closing:
+                raise RuntimeError("BackgroundUploader is closed")
+            if self._queued is not None:
+                logger.info("%s superseded by %s before its upload started", self._queued.name, ckpt.name)
+            self._queued = ckpt
+            self._cond.notify_all()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """True once everything submitted is uploaded; False if ``timeout`` passes first.
+
+        Re-raises the last error when it is not transient (AuthError, BucketNotFound, ...): waiting
+        longer would not help.
+        """
+        with self._cond:
+            idle = self._cond.wait_for(
+                lambda: self._fatal or (self._queued is None and not self._busy and self._error is None)
+                or not self._thread.is_alive(),
+                timeout,
+            )
+            if self._fatal and self._error is not None:
+                raise self._error
+            return bool(idle) and self._queued is None and not self._busy and self._error is None
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Stop accepting work, let the queued upload finish for up to ``timeout`` seconds, stop the thread.
+
+        Returns whether everything submitted was uploaded. An upload still running when the
+        timeout ends is aborted (the remote keeps its previous complete checkpoint).
+        """
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._abort.set()
+            with self._cond:
+                self._cond.notify_all()
+            self._thread.join()
+        with self._cond:
+            return self._queued is None and self._error is None
+
+    def __enter__(self) -> BackgroundUploader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queued is not None or self._closing)
+                ckpt = self._queued
+                if ckpt is None:  # closing with nothing queued
+                    return
+                self._queued = None
+                self._current = ckpt
+                self._busy = True
+            try:
+                push(ckpt, self._remote, self._keep, abort=self._abort)
+            except Aborted as e:
+                self._finish(e, fatal=False)
+                return
+            except TransientStorageError as e:
+                logger.warning("upload of %s failed: %s; retrying in %.0f s", ckpt.name, e, self._retry_interval)
+                self._finish(e, fatal=False, retry=ckpt)
+                continue
+            except Exception as e:  # noqa: BLE001 - reported to the job through wait()/error
+                logger.error("upload of %s failed: %s", ckpt.name, e)
+                self._finish(e, fatal=True)
+                continue
+            self._finish(None, fatal=False)
+
+    def _finish(self, error: BaseException | None, *, fatal: bool, retry: LocalCheckpoint | None = None) -> None:
+        with self._cond:
+            self._busy = False
+            self._current = retry  # still in use while it waits for its retry
+            self._error = error
+            self._fatal = fatal
+            if retry is not None and self._queued is None:
+                # Wait before retrying, unless a newer checkpoint or close() arrives meanwhile.
+                self._cond.wait_for(lambda: self._queued is not None or self._closing or self._abort.is_set(),
+                                    self._retry_interval)
+                if self._queued is None and not self._abort.is_set():
+                    self._queued = retry
+            self._current = None
+            self._cond.notify_all()
