@@ -200,8 +200,9 @@ def sync(config: UploadConfig, local: Path, remote_url: str) -> None:
 def watch(config: UploadConfig, local: Path, remote_url: str, poll_interval: float, grace: float) -> None:
     """Sidecar: upload each newly committed checkpoint of LOCAL, newest first.
 
-    Exits 0 after SIGTERM/SIGINT once what is committed is uploaded (within --grace), or by itself once
-    the job has marked LOCAL finished and its last checkpoint is uploaded.
+    Exits 0 by itself once the job has marked LOCAL finished and its last checkpoint is uploaded.
+    After SIGTERM/SIGINT it keeps going until the job has ended (its final checkpoint committed and
+    uploaded) or --grace runs out, then exits 0 (5 if an upload was still in flight).
     """
     remote = _open(remote_url, config)
     stop = threading.Event()

@@ -145,23 +145,41 @@ def prune(folder: Path, keep: int, protect: Collection[Path] = ()) -> list[Path]
     return removed
 
 
-def mark_finished(folder: Path, step: int) -> None:
-    """Tell a sidecar that the job is done and ``step`` is its last checkpoint."""
+@dataclass(frozen=True)
+class Finished:
+    """The job's last word: its final committed step, why it ended, and when it said so."""
+
+    step: int
+    reason: str
+    mtime: float
+
+
+def mark_finished(folder: Path, step: int, reason: str = "completed") -> None:
+    """Tell a sidecar that the job has ended (completed, preempted or failed) and ``step`` is its last checkpoint."""
     tmp = folder / f".{FINISHED_NAME}.tmp"
-    tmp.write_text(json.dumps({"step": step}))
+    tmp.write_text(json.dumps({"step": step, "reason": reason}))
     os.replace(tmp, folder / FINISHED_NAME)
     fsync_dir(folder)
 
 
-def read_finished(folder: Path) -> int | None:
-    """The last step the job marked as final, or None while it still runs."""
+def finished_marker(folder: Path) -> Finished | None:
+    """The FINISHED marker, or None while the job runs (or a malformed marker, with a warning)."""
+    path = folder / FINISHED_NAME
     try:
-        return int(json.loads((folder / FINISHED_NAME).read_text())["step"])
+        doc = json.loads(path.read_text())
+        return Finished(step=int(doc["step"]), reason=str(doc.get("reason", "completed")),
+                        mtime=path.stat().st_mtime)
     except FileNotFoundError:
         return None
     except (ValueError, KeyError, TypeError):
         logger.warning("ignoring malformed %s in %s", FINISHED_NAME, folder)
         return None
+
+
+def read_finished(folder: Path) -> int | None:
+    """The last step the job marked as final, or None while it still runs."""
+    marker = finished_marker(folder)
+    return marker.step if marker is not None else None
 
 
 def clear_finished(folder: Path) -> None:

@@ -6,20 +6,29 @@ up (TransientStorageError) is tried again on the next poll and resumes where it 
 credentials or a missing bucket end the loop at once (they will not fix themselves).
 
 It ends by itself, FINISHED, once the job has marked the folder finished (uploader.local.mark_finished)
-and that step is uploaded. When ``stop`` is set (SIGTERM in the CLI) it uploads what is committed
-and returns STOPPED; if that takes longer than ``grace`` seconds the upload in flight is aborted and
-Aborted is raised, leaving the remote at its previous complete checkpoint.
+after this watch started, and that step is uploaded. A marker older than the watch is left over from
+an earlier run on the same volume (a PVC, a compose volume): the job clears it when it starts, so it
+is not a reason to stop.
+
+When ``stop`` is set (SIGTERM in the CLI) the job may still be writing its final checkpoint: when
+both get SIGTERM at once (docker compose, clusters without native sidecars) the job needs a few
+seconds to finish its step and commit. So the watch keeps going until the job's marker is there
+(of any age: by then the job has ended) and everything committed is uploaded, or until ``grace``
+runs out; with Kubernetes native sidecars the job has already exited and this takes one upload. An
+upload still in flight when the grace ends is aborted and Aborted is raised, leaving the remote at
+its previous complete checkpoint.
 """
 from __future__ import annotations
 
 import enum
 import logging
 import threading
+import time
 from pathlib import Path
 
 from uploader.config import UploadConfig
 from uploader.exceptions import Aborted, CorruptCheckpoint, ManifestError, TransientStorageError
-from uploader.local import LocalCheckpoint, list_committed, read_finished
+from uploader.local import LocalCheckpoint, finished_marker, list_committed
 from uploader.manifest import MANIFEST_NAME
 from uploader.remote import Remote
 from uploader.sync import push
@@ -75,6 +84,7 @@ def _loop(
     poll_interval: float,
     grace: float,
 ) -> WatchOutcome:
+    started = time.time()
     uploaded: tuple[int, int, int] | None = None  # (step, manifest inode, manifest mtime) last pushed
     given_up: set[tuple[int, int, int]] = set()  # local checkpoints that do not verify: not retried
     announced_stop = False
@@ -102,14 +112,16 @@ def _loop(
                 ) from None
             uploaded = identity
             continue  # look again at once: a newer checkpoint may have been committed meanwhile
-        finished = read_finished(folder)
-        if finished is not None and uploaded is not None and uploaded[0] >= finished:
-            logger.info("the job finished at step %d and it is uploaded; exiting", finished)
-            return WatchOutcome.FINISHED
-        if stop.is_set():
-            logger.info("everything committed is uploaded; exiting")
+        marker = finished_marker(folder)
+        if marker is not None and (stop.is_set() or marker.mtime >= started):
+            if uploaded is not None and uploaded[0] >= marker.step or not list_committed(folder):
+                logger.info("the job ended (%s) at step %d and it is uploaded; exiting", marker.reason, marker.step)
+                return WatchOutcome.FINISHED
+        if stop.is_set() and abort.is_set():
+            logger.warning("the grace period ended before the job marked %s finished; everything committed "
+                           "is uploaded; exiting", folder)
             return WatchOutcome.STOPPED
-        stop.wait(poll_interval)
+        (abort if stop.is_set() else stop).wait(poll_interval)
 
 
 def _pending(

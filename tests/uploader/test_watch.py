@@ -5,6 +5,7 @@ import logging
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -63,27 +64,54 @@ def test_watch_uploads_the_newest_and_ends_once_the_job_finished(
 
 
 @pytest.mark.s3
-@pytest.mark.parametrize("ending", ["sigterm", "finished"])
+@pytest.mark.parametrize("ending", ["finished", "sigterm-then-final-checkpoint", "sigterm-job-gone"])
 def test_watch_process_uploads_what_is_committed_then_exits_0(
     s3_bucket: Bucket, tmp_path: Path, local: Path, ending: str
 ) -> None:
+    """Each way a sidecar ends: the job finished; SIGTERM reached both at once, so the job's final
+    checkpoint is committed after the watch's SIGTERM; SIGTERM and the job never says it ended
+    (killed): the watch uploads what is committed and leaves when its grace runs out."""
     remote = open_remote(s3_bucket.url(), fast_config(s3_bucket.endpoint_url))
     make_checkpoint(local, 1)
-    proc = subprocess.Popen(uploader_command("watch", str(local), s3_bucket.url(), "--poll-interval", "0.1"),
+    proc = subprocess.Popen(uploader_command("watch", str(local), s3_bucket.url(), "--poll-interval", "0.1",
+                                             "--grace", "3"),
                             env=cli_env(s3_bucket), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_until(lambda: complete_steps(remote) == [1], what="step 1 uploaded")
-        make_checkpoint(local, 2)  # committed just before the end: it must still go up
-        if ending == "sigterm":
-            proc.send_signal(signal.SIGTERM)
-        else:
+        if ending == "finished":
+            make_checkpoint(local, 2)  # committed just before the end: it must still go up
             mark_finished(local, 2)
+        elif ending == "sigterm-then-final-checkpoint":
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.5)  # the job is still finishing its step
+            make_checkpoint(local, 2)
+            mark_finished(local, 2, reason="preempted")
+        else:
+            make_checkpoint(local, 2)
+            proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=60)
     finally:
         proc.kill()
         proc.wait()
 
     assert proc.returncode == 0, stderr
+    assert complete_steps(remote) == [1, 2]
+
+
+def test_a_finished_marker_left_by_an_earlier_run_does_not_end_the_watch(
+    run_watch: StartWatch, tmp_path: Path, local: Path
+) -> None:
+    remote = open_remote(f"file://{tmp_path / 'remote'}", fast_config())
+    make_checkpoint(local, 1)
+    mark_finished(local, 1)  # the previous run's, on a persistent volume
+    time.sleep(0.05)
+    outcome, _ = run_watch(local, remote, fast_config())
+    wait_until(lambda: complete_steps(remote) == [1], what="step 1 uploaded")
+    time.sleep(0.5)
+    assert not outcome.done()  # a new run is about to start on this folder: keep watching
+    make_checkpoint(local, 2)
+    mark_finished(local, 2)
+    assert outcome.result(timeout=30) is WatchOutcome.FINISHED
     assert complete_steps(remote) == [1, 2]
 
 
@@ -128,7 +156,8 @@ def test_watch_aborts_the_upload_when_the_grace_period_runs_out(
     make_checkpoint(local, 1)
     stop = threading.Event()
     stop.set()  # SIGTERM already arrived: upload what is committed, within the grace period
-    assert watch(local, remote, config, stop, poll_interval=POLL, grace=30) is WatchOutcome.STOPPED
+    mark_finished(local, 1)
+    assert watch(local, remote, config, stop, poll_interval=POLL, grace=30) is WatchOutcome.FINISHED
 
     fault_proxy.delay(0.02)  # the large file now needs seconds; the grace period is half a second
     make_checkpoint(local, 2, WITH_LARGE_FILE)
