@@ -208,6 +208,8 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
 
         def after_step(state: State, epoch_ended: bool) -> None:
             cadence.after_step(state, epoch_ended)
+            if store is not None:
+                store.check()
             if spot_handler is not None:
                 spot_handler.after_step(state)
 

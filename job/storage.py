@@ -63,6 +63,12 @@ class RemoteStore:
         if self.uploader is not None:
             self.uploader.submit(ckpt)
 
+    def check(self) -> None:
+        """Re-raise a failure that retrying cannot fix (AuthError, BucketNotFound) in the training thread,
+        so a job never trains for days without a remote copy."""
+        if self.uploader is not None:
+            self.uploader.wait(0)
+
     def pending(self) -> set[Path]:
         """Local checkpoints that must not be pruned yet: queued for or under upload."""
         return self.uploader.pending_paths() if self.uploader is not None else set()

@@ -173,3 +173,11 @@ class JobProcess:
     def stderr(self) -> str:
         with self._cond:
             return "\n".join(self.lines)
+
+
+def s3_job_env(bucket: Any, credentials: Any = None, **extra: str) -> dict[str, str]:
+    """Env for `job` / `uploader` processes using a test bucket: only its credentials, endpoint via env vars."""
+    env = {k: v for k, v in bucket.env(credentials).items() if not k.startswith("JOB_")}
+    env.update(PYTHONUNBUFFERED="1", JOB_ENDPOINT_URL=bucket.endpoint_url, JOB_ADDRESSING="path",
+               UPLOADER_ENDPOINT_URL=bucket.endpoint_url, UPLOADER_ADDRESSING="path", **extra)
+    return env

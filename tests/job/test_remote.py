@@ -1,0 +1,117 @@
+"""`job train --remote` against the real S3 server: resume from the bucket, upload in-process or by sidecar."""
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import sys
+import time
+
+import pytest
+
+from tests.support.jobs import inspect, run_job, s3_job_env
+from tests.support.polling import wait_until
+from tests.support.s3server import READER, Credentials, fast_config
+from uploader.remote import open_remote
+from uploader.sync import list_remote
+
+pytestmark = [pytest.mark.s3, pytest.mark.slow]
+
+ARGS = ["--max-duration", "120ba", "--eval-interval", "40ba", "--seed", "9", "--log-format", "json",
+        "--save-interval", "10ba", "--log-interval", "5"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("straight")
+    done = run_job("train", *ARGS, "--save-folder", str(folder))
+    assert done.returncode == 0, done.stderr
+    return inspect(folder)
+
+
+def remote_steps(bucket, prefix: str = "run") -> list[int]:
+    remote = open_remote(bucket.url(prefix), fast_config(bucket.endpoint_url))
+    try:
+        return [c.step for c in list_remote(remote) if c.complete]
+    finally:
+        remote.close()
+
+
+def test_sigkilled_job_resumes_from_the_bucket_on_a_new_machine(spawn, tmp_path, s3_bucket, uninterrupted):
+    env, remote = s3_job_env(s3_bucket), s3_bucket.url("run")
+    folder = tmp_path / "ck"
+    proc = spawn("train", *ARGS, "--save-folder", str(folder), "--remote", remote, env=env)
+    wait_until(lambda: any(s >= 30 for s in remote_steps(s3_bucket)), timeout=120, what="step 30 in the bucket")
+    proc.kill()  # SIGKILL: no final checkpoint, no goodbye
+    shutil.rmtree(folder)  # a new machine: the local disk is gone
+
+    done = run_job("train", *ARGS, "--save-folder", str(folder), "--remote", remote, env=env)
+    assert done.returncode == 0, done.stderr
+    resumed = [json.loads(line) for line in done.stderr.splitlines() if '"resumed"' in line]
+    assert len(resumed) == 1 and resumed[0]["source"].startswith(remote + "/step-") and resumed[0]["step"] >= 30
+    assert inspect(folder)["model_sha256"] == uninterrupted["model_sha256"]
+    assert max(remote_steps(s3_bucket)) == 120
+    remote_info = json.loads(run_job("inspect", remote, env=env).stdout)
+    assert (remote_info["step"], remote_info["model_sha256"]) == (120, uninterrupted["model_sha256"])
+
+
+def test_remote_newer_than_local_wins(tmp_path, s3_bucket):
+    env, remote = s3_job_env(s3_bucket), s3_bucket.url("run")
+    stale, fresh = tmp_path / "stale", tmp_path / "fresh"
+    assert run_job("train", *ARGS, "--max-duration", "20ba", "--save-folder", str(stale)).returncode == 0
+    assert run_job("train", *ARGS, "--max-duration", "40ba", "--save-folder", str(fresh), "--remote", remote,
+                   env=env).returncode == 0
+    done = run_job("train", *ARGS, "--max-duration", "40ba", "--save-folder", str(stale), "--remote", remote, env=env)
+    assert done.returncode == 0, done.stderr
+    assert '"source": "%s/step-000000000040"' % remote in done.stderr
+
+
+def test_sidecar_mode_writes_locally_and_uploader_watch_uploads(spawn, tmp_path, s3_bucket, uninterrupted):
+    env, remote = s3_job_env(s3_bucket), s3_bucket.url("run")
+    folder = tmp_path / "ck"
+    folder.mkdir()
+    watch = spawn(argv=[sys.executable, "-m", "uploader", "watch", str(folder), remote, "--poll-interval", "0.2"],
+                  env=env)
+    done = run_job("train", *ARGS, "--save-folder", str(folder), "--remote", remote, "--upload", "sidecar", env=env)
+    assert done.returncode == 0, done.stderr
+    assert watch.wait(timeout=60) == 0, watch.stderr  # exits by itself once the final checkpoint is up
+    assert max(remote_steps(s3_bucket)) == 120
+    shutil.rmtree(folder)
+    info = json.loads(run_job("inspect", remote, env=env).stdout)
+    assert info["model_sha256"] == uninterrupted["model_sha256"]
+
+
+@pytest.mark.parametrize(
+    "case, code, needle",
+    [("wrong-secret", 3, "credentials"), ("read-only", 3, ""), ("missing-bucket", 4, "bucket")],
+)
+def test_storage_errors_fail_fast_with_one_line(tmp_path, s3_bucket, case, code, needle):
+    credentials = {"wrong-secret": Credentials(s3_bucket.credentials.access_key, "not-the-secret"),
+                   "read-only": READER}.get(case)
+    env = s3_job_env(s3_bucket, credentials)
+    bucket_name = "no-such-bucket-here" if case == "missing-bucket" else s3_bucket.name
+    remote = f"s3://{bucket_name}/run"
+    if case == "read-only":  # can list, cannot write: found at the first upload, training stops
+        args = [*ARGS, "--max-duration", "100000ba"]  # it must stop at the first failed upload, not the end
+    else:
+        args = ARGS
+    started = time.monotonic()
+    done = run_job("train", *args, "--save-folder", str(tmp_path / "ck"), "--remote", remote, env=env)
+    assert done.returncode == code, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("job: error:") and bucket_name in last and s3_bucket.endpoint_url in last
+    assert needle in last.lower()
+    assert "not-the-secret" not in done.stderr and s3_bucket.credentials.secret_key not in done.stderr
+    assert time.monotonic() - started < 60  # seconds, not a retry storm
+
+
+def test_sigterm_uploads_the_final_checkpoint_before_exit(spawn, tmp_path, s3_bucket):
+    env, remote = s3_job_env(s3_bucket), s3_bucket.url("run")
+    proc = spawn("train", *ARGS, "--max-duration", "5000ba", "--save-interval", "100000ba",
+                 "--save-folder", str(tmp_path / "ck"), "--remote", remote, env=env)
+    proc.wait_event("progress", lambda e: e["step"] >= 15)
+    proc.signal(signal.SIGTERM)
+    assert proc.wait() == 75, proc.stderr
+    preempted = proc.wait_event("preempted")
+    assert preempted["uploaded"] is True and preempted["checkpoint_step"] == preempted["step"]
+    assert max(remote_steps(s3_bucket)) == preempted["step"]
