@@ -14,16 +14,18 @@ from typing import Any
 import torch
 
 from job.build import build
-from job.checkpoint import Checkpointer, open_checkpoint, restore
+from job import distributed
+from job.checkpoint import Checkpointer, check_settings, load_state_file, open_checkpoint, restore
 from job.config import CheckpointConfig, TrainConfig
 from job.exceptions import ConfigError
 from job.logs import event
-from job.loop import Trainer
+from job.loop import Trainer, unwrap
 from job.signals import StopRequest
 from job.spot import SpotWatcher
 from job.storage import RemoteConfig, RemoteStore
 from state import State, TimeUnit
 from uploader import local
+from uploader.manifest import Manifest
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +41,7 @@ def run_meta(cfg: TrainConfig) -> dict[str, Any]:
         "batch_size": cfg.batch_size,
         "seed": cfg.seed,
         "grad_accum": cfg.grad_accum,
-        "world_size": 1,
+        "world_size": distributed.world_size(),
         "torch": torch.__version__,
     }
 
@@ -64,20 +66,21 @@ class CheckpointCadence:
     _owed: bool = False
     _clock: float = field(default_factory=time.monotonic)
 
-    def after_step(self, state: State, epoch_ended: bool) -> None:
-        if self._owed or self.cfg.interval.due(state.timer, epoch_ended, time.monotonic() - self._clock):
-            self._owed = not self.checkpointer.save_async(state)
-            if self._owed:
-                logger.debug("checkpoint at step %d deferred: the previous one is still being written",
-                             state.timer.batch.value)
-            else:
-                self._taken(state)
+    def due(self, state: State, epoch_ended: bool) -> bool:
+        return self._owed or self.cfg.interval.due(state.timer, epoch_ended, time.monotonic() - self._clock)
 
-    def save_now(self, state: State) -> None:
-        """A snapshot right away, written in the background (spot notice)."""
-        if not self.saved_now(state):
-            self.checkpointer.wait()
-            self.checkpointer.save_async(state)
+    def take(self, state: State) -> None:
+        """A snapshot now, written in the background; stays owed while the previous write is in flight."""
+        if self.saved_now(state):
+            return
+        if not self.cfg.async_save:
+            self.save_durable(state)
+            return
+        self._owed = not self.checkpointer.save_async(state)
+        if self._owed:
+            logger.debug("checkpoint at step %d deferred: the previous one is still being written",
+                         state.timer.batch.value)
+        else:
             self._taken(state)
 
     def save_durable(self, state: State) -> None:
@@ -111,43 +114,59 @@ class SpotHandler:
     """On a spot notice: checkpoint (and upload) at once, keep training, stop when the deadline nears."""
 
     watcher: SpotWatcher
-    cadence: CheckpointCadence
     stop: StopRequest
     deadline: float | None = None  # wall clock
 
-    def after_step(self, state: State) -> None:
+    def poll(self, state: State) -> bool:
+        """True when a new notice asks for a checkpoint now; requests the stop once the deadline nears."""
         notice = self.watcher.take()
         if notice is not None:
             left = None if notice.deadline is None else round(notice.deadline - time.time(), 1)
             event(logger, "spot_notice", provider=notice.provider, kind=notice.kind, seconds_left=left,
                   step=state.timer.batch.value)
-            self.cadence.save_now(state)
             if notice.deadline is not None:
                 self.deadline = notice.deadline if self.deadline is None else min(self.deadline, notice.deadline)
         if self.deadline is not None and not self.stop.requested:
             left = self.deadline - time.time()
             if left <= self.stop.grace_period:
                 self.stop.request(f"spot notice ({left:.0f}s left)", seconds_left=max(left, 0.0))
+        return notice is not None
+
+
+def choose(cfg: CheckpointConfig, checkpointer: Checkpointer,
+           store: RemoteStore | None) -> tuple[Path, Manifest, str] | None:
+    """The checkpoint to resume from (rank 0 only): --resume PATH, or the newest of local and remote."""
+    if cfg.resume == "never":
+        if local.list_committed(cfg.folder):
+            logger.warning("--resume never: ignoring the checkpoints already in %s", cfg.folder)
+        return None
+    if cfg.resume != "auto":
+        folder, manifest = open_checkpoint(Path(cfg.resume))
+        return folder, manifest, str(folder)
+    pulled = store.pull_if_newer(cfg.folder) if store is not None else None
+    found = checkpointer.newest()
+    if found is None:
+        return None
+    ckpt, manifest = found
+    source = store.describe(pulled) if store is not None and pulled is not None and pulled.step == ckpt.step else str(ckpt.path)
+    return ckpt.path, manifest, source
 
 
 def resume(state: State, cfg: CheckpointConfig, checkpointer: Checkpointer, meta: dict[str, Any],
            store: RemoteStore | None) -> bool:
-    if cfg.resume == "never":
-        if local.list_committed(cfg.folder):
-            logger.warning("--resume never: ignoring the checkpoints already in %s", cfg.folder)
+    """Rank 0 chooses and reads the checkpoint; every rank loads the same one (its own RNG and metrics)."""
+    loaded: tuple[dict[str, Any], str] | None = None
+    if distributed.rank() == 0:
+        chosen = choose(cfg, checkpointer, store)
+        if chosen is not None:
+            folder, manifest, source = chosen
+            check_settings(manifest, meta)
+            loaded = load_state_file(folder), source
+    loaded = distributed.broadcast_choice(loaded)
+    if loaded is None:
         return False
-    source: str
-    if cfg.resume == "auto":
-        pulled = store.pull_if_newer(cfg.folder) if store is not None else None
-        found = checkpointer.newest()
-        if found is None:
-            return False
-        folder, manifest = found[0].path, found[1]
-        source = store.describe(pulled) if pulled is not None and pulled.step == found[0].step else str(folder)
-    else:
-        folder, manifest = open_checkpoint(Path(cfg.resume))
-        source = str(folder)
-    restore(state, folder, manifest, meta)
+    tree, source = loaded
+    restore(state, distributed.for_this_rank(tree), source)
     event(logger, "resumed", step=state.timer.batch.value, epoch=state.timer.epoch.value, source=source)
     return True
 
@@ -157,7 +176,8 @@ def _stop_for_preemption(state: State, cadence: CheckpointCadence, store: Remote
     """Within the grace period: a final checkpoint, its upload, and a clear account of what was kept."""
     step = state.timer.batch.value
     needed = cadence.estimate_seconds(state) * 1.5 + EXIT_MARGIN_SECONDS
-    if not cadence.saved_now(state) and stop.time_left() < needed:
+    # Rank 0's clock decides for all ranks: the save is a collective.
+    if distributed.broadcast_choice(not cadence.saved_now(state) and stop.time_left() < needed):
         event(logger, "grace_too_short", level=logging.WARNING, step=step, seconds_left=round(stop.time_left(), 1),
               seconds_needed=round(needed, 1), kept_step=cadence.last_step,
               message="no time for a final checkpoint; exiting before the kill with the previous one")
@@ -170,8 +190,9 @@ def _stop_for_preemption(state: State, cadence: CheckpointCadence, store: Remote
         if not uploaded:
             logger.warning("the final checkpoint did not finish uploading within the grace period; it stays in "
                            "%s for a sidecar or the next start", cadence.checkpointer.folder)
-    if cadence.last_step is not None:
+    if cadence.last_step is not None and distributed.rank() == 0:
         local.mark_finished(cadence.checkpointer.folder, cadence.last_step, reason="preempted")
+    distributed.barrier()
     event(logger, "preempted", step=step, checkpoint_step=cadence.last_step, uploaded=uploaded, reason=stop.reason)
 
 
@@ -190,11 +211,12 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
     """Train to max_duration, or until ``stop`` is requested; always ending on a committed checkpoint."""
     run = build(cfg)
     state = run.state
-    if cfg.max_duration.unit == TimeUnit.TOKEN and not hasattr(state.model, "num_tokens"):
+    if cfg.max_duration.unit == TimeUnit.TOKEN and not hasattr(unwrap(state.model), "num_tokens"):
         raise ConfigError(f"--max-duration {cfg.max_duration} counts tokens, but --model {cfg.model!r} has no num_tokens(batch)")
     stop = stop or StopRequest(grace_period=float("inf"))
     meta = run_meta(cfg)
-    store = RemoteStore(remote_cfg) if remote_cfg is not None and remote_cfg.url else None
+    leader = distributed.rank() == 0
+    store = RemoteStore(remote_cfg) if leader and remote_cfg is not None and remote_cfg.url else None
     try:
         checkpointer = Checkpointer(ckpt_cfg.folder, ckpt_cfg.keep, meta,
                                     protect=store.pending if store is not None else None,
@@ -203,32 +225,47 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
         cadence = CheckpointCadence(checkpointer, ckpt_cfg)
         if resume(state, ckpt_cfg, checkpointer, meta, store):
             cadence.last_step = state.timer.batch.value
-        local.clear_finished(ckpt_cfg.folder)
-        spot_handler = SpotHandler(spot, cadence, stop) if spot is not None else None
+        if leader:
+            local.clear_finished(ckpt_cfg.folder)
+        spot_handler = SpotHandler(spot, stop) if spot is not None else None
+        stopping = False
 
         def after_step(state: State, epoch_ended: bool) -> None:
-            cadence.after_step(state, epoch_ended)
+            nonlocal stopping
+            checkpoint_now = cadence.due(state, epoch_ended)
+            if spot_handler is not None:
+                checkpoint_now = spot_handler.poll(state) or checkpoint_now
+            # One collective per step under torchrun: any rank's signal or due checkpoint counts for all.
+            checkpoint_now, stopping = distributed.agree(checkpoint_now, stop.should_stop(state))
+            if stopping and not stop.requested:
+                stop.request("another rank is stopping")
+            if checkpoint_now:
+                cadence.take(state)
             if store is not None:
                 store.check()
-            if spot_handler is not None:
-                spot_handler.after_step(state)
+
+        def should_stop(state: State) -> bool:
+            return stopping if distributed.active() else stop.should_stop(state)
 
         event(logger, "start", step=state.timer.batch.value, max_duration=str(state.max_duration),
-              device=cfg.device, precision=cfg.precision.value,
+              device=cfg.device, precision=cfg.precision.value, world_size=distributed.world_size(),
               parameters=sum(p.numel() for p in state.model.parameters()))
-        Trainer(run, cfg.eval_interval, cfg.log_interval, after_step=after_step, should_stop=stop.should_stop).fit()
+        Trainer(run, cfg.eval_interval, cfg.log_interval, after_step=after_step, should_stop=should_stop).fit()
         if stop.requested:
             _stop_for_preemption(state, cadence, store, stop)
             return Outcome(state, preempted=True)
         cadence.save_durable(state)
         if store is not None:
             store.wait(None)
-        local.mark_finished(ckpt_cfg.folder, state.timer.batch.value, reason="completed")
+        if leader:
+            local.mark_finished(ckpt_cfg.folder, state.timer.batch.value, reason="completed")
+        distributed.barrier()
         event(logger, "finished", step=state.timer.batch.value, epoch=state.timer.epoch.value,
               metrics={label: {k: round(float(v), 6) for k, v in m.items()} for label, m in state.current_metrics.items()})
         return Outcome(state, preempted=False)
     except Exception:
-        _mark_failed(ckpt_cfg.folder)
+        if leader:
+            _mark_failed(ckpt_cfg.folder)
         raise
     finally:
         if store is not None:

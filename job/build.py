@@ -11,8 +11,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 
+from job import distributed
 from job.config import TrainConfig
 from job.exceptions import ConfigError
 from job.plugins import data_factory, model_factory
@@ -28,7 +30,8 @@ class Run:
     state: State
     sampler: ResumableBatchSampler
     device: torch.device
-    batch_size: int
+    batch_size: int  # per rank
+    world_size: int = 1
 
 
 def _dataset(factory: Any, split: str, spec: str) -> Dataset:
@@ -64,12 +67,13 @@ def total_batches(cfg: TrainConfig, steps_per_epoch: int) -> int | None:
     if d.unit == TimeUnit.BATCH:
         return int(d.value)
     if d.unit == TimeUnit.SAMPLE:
-        return math.ceil(int(d.value) / cfg.batch_size)
+        return math.ceil(int(d.value) / (cfg.batch_size * distributed.world_size()))
     return None
 
 
 def build(cfg: TrainConfig) -> Run:
-    seed_all(cfg.seed)
+    rank, world = distributed.rank(), distributed.world_size()
+    seed_all(cfg.seed + rank)  # State.seed: rank_zero_seed + rank (DDP then copies rank 0's weights)
     device = torch.device(cfg.device)
     model = model_factory(cfg.model)()
     if not isinstance(model, torch.nn.Module) or not callable(getattr(model, "loss", None)):
@@ -80,7 +84,7 @@ def build(cfg: TrainConfig) -> Run:
     if len(train_ds) < cfg.batch_size:
         raise ConfigError(f"--batch-size {cfg.batch_size} is larger than the training set ({len(train_ds)} samples)")
 
-    sampler = ResumableBatchSampler(len(train_ds), cfg.batch_size, seed=cfg.seed)
+    sampler = ResumableBatchSampler(len(train_ds), cfg.batch_size, seed=cfg.seed, num_replicas=world, rank=rank)
     pin = device.type == "cuda"
     # Explicit generators: a DataLoader without one draws its worker seed from the global RNG each time
     # an iterator starts, which would make a mid-epoch resume diverge from an uninterrupted run.
@@ -91,6 +95,8 @@ def build(cfg: TrainConfig) -> Run:
     eval_metrics = {k: m.to(device) for k, m in _metrics(model, train=False).items()}
     train_metrics = {k: m.to(device) for k, m in _metrics(model, train=True).items()}
 
+    if world > 1:
+        model = DistributedDataParallel(model, device_ids=[torch.cuda.current_device()] if device.type == "cuda" else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
     steps = total_batches(cfg, len(sampler))
     schedulers = [torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)] if steps else []
@@ -109,4 +115,4 @@ def build(cfg: TrainConfig) -> Run:
         train_metrics=train_metrics,
     )
     state.schedulers = schedulers
-    return Run(state=state, sampler=sampler, device=device, batch_size=cfg.batch_size)
+    return Run(state=state, sampler=sampler, device=device, batch_size=cfg.batch_size, world_size=world)

@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import torch
 
+from job import distributed
 from job.exceptions import CheckpointLoadError, CheckpointWriteError
 from job.logs import event
 from job.snapshot import HostSnapshot
@@ -66,10 +67,14 @@ class Checkpointer:
     def save_async(self, state: State) -> bool:
         """Snapshot ``state`` and write it in the background; False (nothing done) while one is in flight."""
         self._raise_background_error()
-        if self.in_flight():
+        (busy,) = distributed.agree(self.in_flight())
+        if busy:
             return False
         started = time.perf_counter()
-        tree, ready = self._snapshot.capture(state.state_dict())
+        tree = distributed.gather_per_rank(state.state_dict())
+        if distributed.rank() != 0:  # rank 0 writes the replicated state, with every rank's own part
+            return True
+        tree, ready = self._snapshot.capture(tree)
         step, timer = state.timer.batch.value, state.timer.state_dict()
         self.last_stall_seconds = time.perf_counter() - started
         self._writer = threading.Thread(target=self._write_in_background, args=(tree, ready, step, timer),
@@ -77,11 +82,15 @@ class Checkpointer:
         self._writer.start()
         return True
 
-    def save(self, state: State) -> local.LocalCheckpoint:
+    def save(self, state: State) -> local.LocalCheckpoint | None:
         """Write and commit a checkpoint of ``state`` now; durable when this returns."""
         self.wait()
         started = time.perf_counter()
-        ckpt = self._write(state.state_dict(), state.timer.batch.value, state.timer.state_dict())
+        tree = distributed.gather_per_rank(state.state_dict())
+        ckpt = None
+        if distributed.rank() == 0:
+            ckpt = self._write(tree, state.timer.batch.value, state.timer.state_dict())
+        distributed.barrier()  # no rank goes on (or exits) before the checkpoint is durable
         self.last_stall_seconds = time.perf_counter() - started
         return ckpt
 
@@ -187,17 +196,21 @@ def load_state_file(folder: Path) -> dict[str, Any]:
     return loaded
 
 
-def restore(state: State, folder: Path, manifest: Manifest, meta: dict[str, Any]) -> None:
-    """Load a verified checkpoint into ``state``; warn when settings differ from the ones it was made with."""
+def check_settings(manifest: Manifest, meta: dict[str, Any]) -> None:
+    """Warn when the run's settings differ from the ones the checkpoint was made with."""
     for key in RESULT_SETTINGS:
         old, new = manifest.meta.get(key), meta.get(key)
         if old is not None and old != new:
             logger.warning("resuming with %s=%r, the checkpoint was made with %r: the result will differ "
                            "from an uninterrupted run", key, new, old)
+
+
+def restore(state: State, tree: dict[str, Any], source: str) -> None:
+    """Load a state dict read by :func:`load_state_file` into ``state``."""
     try:
-        state.load_state_dict(load_state_file(folder))
+        state.load_state_dict(tree)
     except (KeyError, RuntimeError, ValueError, TypeError) as e:
-        raise CheckpointLoadError(f"checkpoint {folder} does not fit this model/optimizer: "
+        raise CheckpointLoadError(f"checkpoint {source} does not fit this model/optimizer: "
                                   f"{str(e).splitlines()[0][:200]}") from None
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -16,7 +17,9 @@ from typing import Any, Callable
 import click
 import torch
 
+from job import distributed
 from job.config import CheckpointConfig, TrainConfig
+from job.distributed import DistConfig
 from job.exceptions import EXIT_BUG, EXIT_PREEMPTED, EXIT_USAGE, ConfigError, JobError
 from job.logs import setup_logging
 from job.schedule import Interval
@@ -63,6 +66,15 @@ class IntervalType(click.ParamType):
             self.fail(str(e), param, ctx)
 
 
+def torchrun_env() -> DistConfig:
+    """torchrun's variables (WORLD_SIZE, RANK, LOCAL_RANK); a plain start is one process of one."""
+    try:
+        return DistConfig(world_size=int(os.environ.get("WORLD_SIZE", "1")), rank=int(os.environ.get("RANK", "0")),
+                          local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
@@ -94,6 +106,10 @@ def cli() -> None:
         help="Local checkpoint folder.")
 @option("--save-interval", type=IntervalType(), default="5m", help="Checkpoint every N ba/ep or wall clock (90s, 5m).")
 @option("--keep", type=int, default=3, help="Keep the newest N local checkpoints.")
+@option("--async-save/--sync-save", default=True,
+        help="async: block only for a copy into host memory and write in the background (a checkpoint due "
+             "while the last is still being written waits for it); sync: every checkpoint durable before "
+             "training goes on.")
 @option("--resume", default="auto", help="auto (newest complete checkpoint), never, or a checkpoint folder PATH.")
 @option("--remote", default=None, help="s3://bucket/prefix or file:///path: pull on start-up, upload checkpoints.")
 @option("--upload", type=click.Choice(UPLOAD_MODES), default="inprocess",
@@ -110,8 +126,16 @@ def cli() -> None:
         help="auto: text on a terminal, JSON lines otherwise.")
 @option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info")
 def train(**o: Any) -> None:
-    """Train, checkpointing atomically, resuming from the newest complete checkpoint."""
-    setup_logging(o["log_format"], o["log_level"])
+    """Train, checkpointing atomically, resuming from the newest complete checkpoint.
+
+    Under torchrun (env:// rendezvous) each process trains one shard of every batch with DDP.
+    """
+    dist_cfg = torchrun_env()
+    # Under torchrun only rank 0 tells the story; the other ranks speak up for warnings and errors.
+    setup_logging(o["log_format"], o["log_level"] if dist_cfg.rank == 0 else "warning")
+    if dist_cfg.enabled and o["eval_interval"].seconds is not None:
+        raise ConfigError("--eval-interval in seconds cannot be used with torchrun (ranks must evaluate at the "
+                          "same step); use ba or ep")
     try:
         cfg = TrainConfig(
             model=o["model"], data=o["data"], max_duration=o["max_duration"], batch_size=o["batch_size"],
@@ -119,7 +143,8 @@ def train(**o: Any) -> None:
             grad_accum=o["grad_accum"], eval_interval=o["eval_interval"], log_interval=o["log_interval"],
             num_workers=o["num_workers"],
         )
-        ckpt = CheckpointConfig(folder=o["save_folder"], interval=o["save_interval"], keep=o["keep"], resume=o["resume"])
+        ckpt = CheckpointConfig(folder=o["save_folder"], interval=o["save_interval"], keep=o["keep"], resume=o["resume"],
+                                async_save=o["async_save"])
         remote = RemoteConfig(url=o["remote"], mode=o["upload"], upload=UploadConfig(
             endpoint_url=o["endpoint_url"], addressing=o["addressing"], keep=o["keep"]))
     except (ValueError, PrecisionError) as e:
@@ -127,6 +152,7 @@ def train(**o: Any) -> None:
     from job.app import train as run_training
     from job.spot import SpotWatcher, make_source
 
+    distributed.init(dist_cfg, cfg.device)
     stop = StopRequest(grace_period=o["grace_period"])
     stop.install()
     source = make_source(o["spot_notice"], o["spot_endpoint"])
@@ -139,6 +165,7 @@ def train(**o: Any) -> None:
         if spot is not None:
             spot.close()
         stop.uninstall()
+        distributed.shutdown()
     if outcome.preempted:
         sys.exit(EXIT_PREEMPTED)
 

@@ -55,6 +55,7 @@ class CheckpointConfig:
     interval: Interval
     keep: int
     resume: str  # "auto", "never", or a path to a checkpoint folder
+    async_save: bool = True  # False: every periodic checkpoint is durable before the next step (slower)
 
     def __post_init__(self) -> None:
         if self.keep < 1:

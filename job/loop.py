@@ -2,6 +2,7 @@
 delegated to the objects handed in."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from itertools import islice
@@ -39,6 +40,11 @@ def _split(batch: Any, parts: int) -> list[Any]:
         cols = {k: _split(v, parts) for k, v in batch.items()}
         return [{k: cols[k][i] for k in cols} for i in range(parts)]
     raise TypeError(f"cannot split a batch of type {type(batch).__name__} for gradient accumulation")
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The user's module inside a DDP wrapper: forward goes through DDP (gradient sync), the rest does not."""
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
 def _metric_args(model: torch.nn.Module, outputs: torch.Tensor, batch: Any) -> tuple[Any, ...]:
@@ -94,20 +100,25 @@ class Trainer:
 
     def train_step(self, batch: Any) -> torch.Tensor:
         state, model = self.state, self.state.model
+        core = unwrap(model)
         model.train()
         optimizer = state.optimizers[0]
         optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), device=self.run.device)
-        for micro in _split(batch, state.grad_accum):
+        micros = _split(batch, state.grad_accum)
+        for i, micro in enumerate(micros):
             state.batch = micro
-            with state.precision_context:
-                outputs = model(micro)
-                loss = model.loss(outputs, micro) / state.grad_accum
-            (state.scaler.scale(loss) if state.scaler else loss).backward()
+            # Under DDP, gradients are all-reduced once per step, on the last micro-batch.
+            sync = contextlib.nullcontext() if model is core or i == len(micros) - 1 else model.no_sync()
+            with sync:
+                with state.precision_context:
+                    outputs = model(micro)
+                    loss = core.loss(outputs, micro) / state.grad_accum
+                (state.scaler.scale(loss) if state.scaler else loss).backward()
             total += loss.detach()
             with torch.no_grad():
                 for metric in state.train_metrics.values():
-                    metric.update(*_metric_args(model, outputs.detach(), micro))
+                    metric.update(*_metric_args(core, outputs.detach(), micro))
         if state.scaler:
             state.scaler.step(optimizer)
             state.scaler.update()
@@ -115,8 +126,10 @@ class Trainer:
             optimizer.step()
         for scheduler in state.schedulers:
             scheduler.step()
-        tokens = int(model.num_tokens(batch)) if hasattr(model, "num_tokens") else 0
-        state.timer.on_batch_complete(samples=_batch_size(batch), tokens=tokens)
+        tokens = int(core.num_tokens(batch)) if hasattr(core, "num_tokens") else 0
+        # Counted for the whole job: every rank trains an equal shard of each step.
+        world = self.run.world_size
+        state.timer.on_batch_complete(samples=_batch_size(batch) * world, tokens=tokens * world)
         return total
 
     def end_epoch(self) -> None:
@@ -130,6 +143,7 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> None:
         state, model = self.state, self.state.model
+        core = unwrap(model)
         model.eval()
         for evaluator in state.evaluators:
             for metric in evaluator.metrics.values():
@@ -137,9 +151,9 @@ class Trainer:
             for batch in evaluator.dataloader:
                 batch = to_device(batch, self.run.device)
                 with state.precision_context:
-                    outputs = model(batch)
+                    outputs = core(batch)  # no gradient sync to do: skip the DDP wrapper
                 for metric in evaluator.metrics.values():
-                    metric.update(*_metric_args(model, outputs, batch))
+                    metric.update(*_metric_args(core, outputs, batch))
             state.current_metrics[evaluator.label] = {k: m.compute() for k, m in evaluator.metrics.items()}
         model.train()
         self._last_eval = time.monotonic()

@@ -19,8 +19,9 @@ from uploader.manifest import FORMAT_VERSION, FileEntry, Manifest
 
 @pytest.fixture
 def saved(tiny_config, ckpt_dir):
-    """A run of 40 batches that saved every 10, keeping 3: steps 20, 30, 40 remain."""
-    state = train_state(tiny_config(max_duration="40ba"), ckpt_config(ckpt_dir, interval="10ba", keep=3))
+    """A run of 40 batches that saved every 10 (synchronously, so none is deferred), keeping 3: 20, 30, 40 remain."""
+    state = train_state(tiny_config(max_duration="40ba"),
+                        ckpt_config(ckpt_dir, interval="10ba", keep=3, async_save=False))
     return state, ckpt_dir
 
 

@@ -64,7 +64,7 @@ def test_env_var_sets_an_option(capsys, monkeypatch):
 
 def test_train_logs_json_events_and_inspect_reports_the_checkpoint(tmp_path):
     folder = tmp_path / "ck"
-    done = run_job("train", *TINY_ARGS, "--save-folder", str(folder), "--save-interval", "10ba")
+    done = run_job("train", *TINY_ARGS, "--save-folder", str(folder), "--save-interval", "10ba", "--sync-save")
     assert done.returncode == 0, done.stderr
     names = [e.get("event") for e in events(done.stderr)]
     assert names.count("checkpoint") == 3 and names[-1] == "finished" and "progress" in names and "eval" in names

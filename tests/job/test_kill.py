@@ -33,7 +33,7 @@ def uninterrupted(tmp_path_factory):
 def test_sigkill_during_save_leaves_previous_checkpoint_usable(tmp_path, uninterrupted):
     folder, marker = tmp_path / "ck", tmp_path / "saving"
     cmd = [sys.executable, "-m", "tests.support.slow_save_job", str(marker), "3", "--",
-           "train", *ARGS, "--save-folder", str(folder), "--save-interval", "16ba"]
+           "train", *ARGS, "--save-folder", str(folder), "--save-interval", "16ba", "--sync-save"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=job_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _wait_for(marker.exists)  # the third save (step 48) has written its data, not yet its manifest

@@ -1,0 +1,117 @@
+"""Running under torchrun: one process per device, DDP, and every decision taken by all ranks together.
+
+Ranks must agree on each checkpoint and on stopping, or one would wait forever in a collective the
+others never enter: SIGTERM and wall-clock intervals reach ranks at different moments, so after each
+step the ranks all-reduce their flags (one tiny collective). Rank 0 writes the replicated state
+(model, optimizer, timer); what differs per rank (RNG streams, metric accumulators) is gathered into
+the same checkpoint and handed back to each rank on resume. Rank 0 alone chooses the checkpoint to
+resume from (local or remote) and broadcasts it, so all ranks load the same one.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+PER_RANK_KEYS = ("rng", "train_metrics")
+PER_RANK = "per_rank"
+
+
+@dataclass(frozen=True)
+class DistConfig:
+    """What torchrun tells a worker (read from its environment at the CLI edge)."""
+
+    world_size: int = 1
+    rank: int = 0
+    local_rank: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size or self.local_rank < 0:
+            raise ValueError(f"inconsistent torchrun environment: rank {self.rank}, world size {self.world_size}")
+
+
+def init(cfg: DistConfig, device: str) -> None:
+    """Join the process group (env:// rendezvous set up by torchrun): NCCL on GPUs, gloo on CPU."""
+    if not cfg.enabled or dist.is_initialized():
+        return
+    if device == "cuda":
+        torch.cuda.set_device(cfg.local_rank)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method="env://",
+                            timeout=datetime.timedelta(minutes=10))
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def active() -> bool:
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def agree(*flags: bool) -> tuple[bool, ...]:
+    """Each flag true on any rank becomes true on all ranks."""
+    if not active():
+        return flags
+    t = torch.tensor([int(f) for f in flags], dtype=torch.int32,
+                     device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return tuple(bool(v) for v in t.tolist())
+
+
+def barrier() -> None:
+    if active():
+        dist.barrier()
+
+
+def gather_per_rank(tree: dict[str, Any]) -> dict[str, Any]:
+    """Add every rank's RNG and metric state to rank 0's state dict (collective: all ranks call it)."""
+    if not active():
+        return tree
+    mine = {k: tree.get(k) for k in PER_RANK_KEYS}
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return {**tree, PER_RANK: everyone}
+
+
+def broadcast_choice(obj: Any) -> Any:
+    """Rank 0's value on every rank (the resume decision, or the loaded checkpoint itself)."""
+    if not active():
+        return obj
+    box = [obj if rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def for_this_rank(tree: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint as this rank must load it: its own RNG and metric state, when they were saved."""
+    per_rank = tree.get(PER_RANK)
+    if per_rank is None:
+        return tree
+    mine = dict(tree)
+    del mine[PER_RANK]
+    if len(per_rank) != world_size():
+        logger.warning("checkpoint was written by %d ranks, this run has %d: each rank keeps rank 0's RNG "
+                       "and metric state; the result will differ from an uninterrupted run",
+                       len(per_rank), world_size())
+        return mine
+    mine.update({k: v for k, v in per_rank[rank()].items() if v is not None})
+    return mine

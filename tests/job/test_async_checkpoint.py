@@ -1,0 +1,84 @@
+"""Async checkpoints: the loop blocks only for the snapshot; what is written is the state at that moment."""
+from __future__ import annotations
+
+import errno
+import threading
+
+import pytest
+import torch
+
+from job.build import build
+from job.checkpoint import Checkpointer, load_state_file
+from job.exceptions import CheckpointWriteError
+from job.snapshot import HostSnapshot
+from tests.support.jobs import train_config
+from uploader import local
+
+
+@pytest.fixture
+def run():
+    return build(train_config())
+
+
+@pytest.fixture
+def gate(monkeypatch):
+    """Holds every commit until the test opens the gate: a checkpoint stays 'in flight' on demand."""
+    opened = threading.Event()
+    real = local.commit
+
+    def held_commit(staging, manifest):
+        opened.wait(30)
+        return real(staging, manifest)
+
+    monkeypatch.setattr(local, "commit", held_commit)
+    return opened
+
+
+def test_written_checkpoint_is_the_state_at_snapshot_time(run, tmp_path, gate):
+    state = run.state
+    ckpt = Checkpointer(tmp_path, keep=3, meta={})
+    before = {k: v.clone() for k, v in state.model.state_dict().items()}
+    assert ckpt.save_async(state) is True  # returns while the write is held
+    assert ckpt.in_flight()
+    with torch.no_grad():
+        for p in state.model.parameters():
+            p.add_(1.0)  # training goes on and changes the weights
+    gate.set()
+    assert ckpt.wait(30)
+    saved = load_state_file(local.list_committed(tmp_path)[-1].path)["model"]
+    for name, tensor in before.items():
+        assert torch.equal(saved[name], tensor), name
+
+
+def test_a_save_due_while_one_is_in_flight_is_deferred_not_waited_for(run, tmp_path, gate):
+    state = run.state
+    ckpt = Checkpointer(tmp_path, keep=3, meta={})
+    assert ckpt.save_async(state) is True
+    state.timer.on_batch_complete(samples=64)
+    assert ckpt.save_async(state) is False  # nothing done: the caller retries after a later step
+    gate.set()
+    assert ckpt.wait(30)
+    assert ckpt.save_async(state) is True
+    assert ckpt.wait(30)
+    assert [c.step for c in local.list_committed(tmp_path)] == [0, 1]
+
+
+def test_a_background_write_failure_surfaces_in_the_training_thread(run, tmp_path, monkeypatch):
+    def full_disk(staging, manifest):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(local, "commit", full_disk)
+    ckpt = Checkpointer(tmp_path, keep=3, meta={})
+    assert ckpt.save_async(run.state) is True
+    with pytest.raises(CheckpointWriteError, match="No space left on device"):
+        ckpt.wait(30)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(local.STAGING_PREFIX)]
+
+
+def test_snapshot_buffers_are_reused_between_checkpoints(run):
+    snap = HostSnapshot()
+    first, _ = snap.capture(run.state.model.state_dict())
+    ptrs = {k: v.data_ptr() for k, v in first.items()}
+    second, _ = snap.capture(run.state.model.state_dict())
+    assert {k: v.data_ptr() for k, v in second.items()} == ptrs  # about one extra copy of the state, not one per save
+    assert all(first[k] is not v for k, v in run.state.model.state_dict().items())

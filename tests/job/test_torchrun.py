@@ -1,0 +1,82 @@
+"""`job train` under torchrun: two CPU processes (gloo), killed and restarted like one."""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import pytest
+
+from tests.support.jobs import REPO, inspect, job_env
+from tests.support.polling import wait_until
+from tests.support.procs import descendants, worker_of_rank
+
+pytestmark = pytest.mark.slow
+
+ARGS = ["--model", "tests.support.slow_model:build", "--max-duration", "90ba", "--eval-interval", "30ba",
+        "--save-interval", "10ba", "--log-interval", "2", "--seed", "13", "--log-format", "json"]
+
+
+def torchrun(*extra: str) -> list[str]:
+    # --standalone: a c10d rendezvous on localhost with a free port (loopback only).
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *extra,
+            "-m", "job", "train", *ARGS]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    import subprocess
+
+    folder = tmp_path_factory.mktemp("straight2")
+    done = subprocess.run(torchrun() + ["--save-folder", str(folder)], cwd=REPO, env=job_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return inspect(folder)
+
+
+def _kill_group(proc) -> None:
+    for pid in [proc.proc.pid, *descendants(proc.proc.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
+def test_two_ranks_sigkilled_and_restarted_end_bit_identical(spawn, tmp_path, uninterrupted):
+    folder = tmp_path / "ck"
+    proc = spawn(argv=torchrun() + ["--save-folder", str(folder)], env=job_env())
+    proc.wait_event("checkpoint", lambda e: e["step"] >= 30)
+    _kill_group(proc)  # the node is gone: launcher and both workers
+    restarted = spawn(argv=torchrun() + ["--save-folder", str(folder)], env=job_env())
+    assert restarted.wait(timeout=300) == 0, restarted.stderr[-3000:]
+    assert restarted.wait_event("resumed")["step"] >= 30
+    info = inspect(folder)
+    assert info["meta"]["world_size"] == 2
+    assert info["model_sha256"] == uninterrupted["model_sha256"]
+
+
+def test_sigterm_stops_both_ranks_at_the_same_step_with_a_final_checkpoint(spawn, tmp_path, uninterrupted):
+    folder = tmp_path / "ck"
+    proc = spawn(argv=torchrun() + ["--save-folder", str(folder)], env=job_env())
+    proc.wait_event("progress", lambda e: e["step"] >= 15)
+    proc.signal(signal.SIGTERM)  # torchrun forwards it to every worker
+    proc.wait(timeout=120)
+    preempted = proc.wait_event("preempted")
+    assert preempted["checkpoint_step"] == preempted["step"]
+    assert inspect(folder)["step"] == preempted["step"]
+    restarted = spawn(argv=torchrun() + ["--save-folder", str(folder)], env=job_env())
+    assert restarted.wait(timeout=300) == 0, restarted.stderr[-3000:]
+    assert inspect(folder)["model_sha256"] == uninterrupted["model_sha256"]
+
+
+def test_elastic_restart_after_one_rank_is_killed_completes(spawn, tmp_path, uninterrupted):
+    folder = tmp_path / "ck"
+    proc = spawn(argv=torchrun("--max-restarts", "2") + ["--save-folder", str(folder)], env=job_env())
+    proc.wait_event("checkpoint", lambda e: e["step"] >= 20)
+    wait_until(lambda: worker_of_rank(proc.proc.pid, 1) is not None, what="rank 1's process")
+    os.kill(worker_of_rank(proc.proc.pid, 1), signal.SIGKILL)
+    assert proc.wait(timeout=300) == 0, proc.stderr[-3000:]
+    resumed = [e for e in proc.events if e.get("event") == "resumed"]
+    assert resumed and resumed[-1]["step"] >= 20  # the restarted group went on from a checkpoint
+    assert inspect(folder)["model_sha256"] == uninterrupted["model_sha256"]
