@@ -12,10 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from job.build import build
 from job import distributed
-from job.checkpoint import Checkpointer, check_settings, load_state_file, open_checkpoint, restore
+from job.checkpoint import Checkpointer, check_settings, load_shard, load_state_file, open_checkpoint, restore
+from job.exceptions import CheckpointLoadError
 from job.config import CheckpointConfig, TrainConfig
 from job.exceptions import ConfigError
 from job.logs import event
@@ -42,6 +44,7 @@ def run_meta(cfg: TrainConfig) -> dict[str, Any]:
         "seed": cfg.seed,
         "grad_accum": cfg.grad_accum,
         "world_size": distributed.world_size(),
+        "sharded": cfg.sharded,
         "torch": torch.__version__,
     }
 
@@ -153,20 +156,32 @@ def choose(cfg: CheckpointConfig, checkpointer: Checkpointer,
 
 
 def resume(state: State, cfg: CheckpointConfig, checkpointer: Checkpointer, meta: dict[str, Any],
-           store: RemoteStore | None) -> bool:
-    """Rank 0 chooses and reads the checkpoint; every rank loads the same one (its own RNG and metrics)."""
-    loaded: tuple[dict[str, Any], str] | None = None
+           store: RemoteStore | None, mesh: DeviceMesh | None = None) -> bool:
+    """Rank 0 chooses and reads the checkpoint; every rank loads the same one (its own RNG and metrics).
+
+    A sharded checkpoint is not read by rank 0: each rank reads its own shard from the chosen folder.
+    """
+    loaded: tuple[str, Any, str] | None = None
     if distributed.rank() == 0:
         chosen = choose(cfg, checkpointer, store)
         if chosen is not None:
             folder, manifest, source = chosen
             check_settings(manifest, meta)
-            loaded = load_state_file(folder), source
+            if bool(manifest.meta.get("sharded")) != (mesh is not None):
+                raise CheckpointLoadError(
+                    f"checkpoint {source} was written {'with' if manifest.meta.get('sharded') else 'without'} "
+                    f"--sharded; resume it the same way, or start a new run in another --save-folder/--remote")
+            loaded = ("sharded", str(folder), source) if mesh is not None else ("full", load_state_file(folder), source)
     loaded = distributed.broadcast_choice(loaded)
     if loaded is None:
         return False
-    tree, source = loaded
-    restore(state, distributed.for_this_rank(tree), source)
+    kind, payload, source = loaded
+    if kind == "sharded":
+        assert mesh is not None
+        tree = load_shard(Path(payload), mesh)
+    else:
+        tree = distributed.for_this_rank(payload)
+    restore(state, tree, source)
     event(logger, "resumed", step=state.timer.batch.value, epoch=state.timer.epoch.value, source=source)
     return True
 
@@ -221,9 +236,9 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
         checkpointer = Checkpointer(ckpt_cfg.folder, ckpt_cfg.keep, meta,
                                     protect=store.pending if store is not None else None,
                                     on_commit=store.submit if store is not None else None,
-                                    pin_memory=cfg.device == "cuda")
+                                    pin_memory=cfg.device == "cuda", sharded=cfg.sharded)
         cadence = CheckpointCadence(checkpointer, ckpt_cfg)
-        if resume(state, ckpt_cfg, checkpointer, meta, store):
+        if resume(state, ckpt_cfg, checkpointer, meta, store, run.mesh):
             cadence.last_step = state.timer.batch.value
         if leader:
             local.clear_finished(ckpt_cfg.folder)

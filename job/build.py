@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 
@@ -18,6 +19,7 @@ from job import distributed
 from job.config import TrainConfig
 from job.exceptions import ConfigError
 from job.plugins import data_factory, model_factory
+from job.sharded import shard_model
 from state import Evaluator, Precision, ResumableBatchSampler, State, TimeUnit, seed_all
 
 logger = logging.getLogger(__name__)
@@ -32,6 +34,7 @@ class Run:
     device: torch.device
     batch_size: int  # per rank
     world_size: int = 1
+    mesh: DeviceMesh | None = None  # set when the model is sharded (FSDP2)
 
 
 def _dataset(factory: Any, split: str, spec: str) -> Dataset:
@@ -95,7 +98,10 @@ def build(cfg: TrainConfig) -> Run:
     eval_metrics = {k: m.to(device) for k, m in _metrics(model, train=False).items()}
     train_metrics = {k: m.to(device) for k, m in _metrics(model, train=True).items()}
 
-    if world > 1:
+    mesh = None
+    if cfg.sharded:
+        mesh = shard_model(model, device, world)
+    elif world > 1:
         model = DistributedDataParallel(model, device_ids=[torch.cuda.current_device()] if device.type == "cuda" else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
     steps = total_batches(cfg, len(sampler))
@@ -115,4 +121,4 @@ def build(cfg: TrainConfig) -> Run:
         train_metrics=train_metrics,
     )
     state.schedulers = schedulers
-    return Run(state=state, sampler=sampler, device=device, batch_size=cfg.batch_size, world_size=world)
+    return Run(state=state, sampler=sampler, device=device, batch_size=cfg.batch_size, world_size=world, mesh=mesh)

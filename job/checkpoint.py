@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from job import distributed
+from job import distributed, sharded
 from job.exceptions import CheckpointLoadError, CheckpointWriteError
 from job.logs import event
 from job.snapshot import HostSnapshot
@@ -49,8 +49,9 @@ class Checkpointer:
     def __init__(self, folder: Path, keep: int, meta: dict[str, Any],
                  protect: Callable[[], set[Path]] | None = None,
                  on_commit: Callable[[local.LocalCheckpoint], None] | None = None,
-                 pin_memory: bool = False) -> None:
+                 pin_memory: bool = False, sharded: bool = False) -> None:
         self.folder = folder
+        self.sharded = sharded  # FSDP2: every save is a collective, synchronous sharded write
         self.keep = keep
         self.meta = meta
         self.protect = protect or set
@@ -67,6 +68,9 @@ class Checkpointer:
     def save_async(self, state: State) -> bool:
         """Snapshot ``state`` and write it in the background; False (nothing done) while one is in flight."""
         self._raise_background_error()
+        if self.sharded:  # a background thread must not run collectives beside training's all-gathers
+            self.save(state)
+            return True
         (busy,) = distributed.agree(self.in_flight())
         if busy:
             return False
@@ -86,13 +90,48 @@ class Checkpointer:
         """Write and commit a checkpoint of ``state`` now; durable when this returns."""
         self.wait()
         started = time.perf_counter()
-        tree = distributed.gather_per_rank(state.state_dict())
-        ckpt = None
-        if distributed.rank() == 0:
-            ckpt = self._write(tree, state.timer.batch.value, state.timer.state_dict())
+        if self.sharded:
+            ckpt = self._write_sharded(state)
+        else:
+            tree = distributed.gather_per_rank(state.state_dict())
+            ckpt = None
+            if distributed.rank() == 0:
+                ckpt = self._write(tree, state.timer.batch.value, state.timer.state_dict())
         distributed.barrier()  # no rank goes on (or exits) before the checkpoint is durable
         self.last_stall_seconds = time.perf_counter() - started
         return ckpt
+
+    def _write_sharded(self, state: State) -> local.LocalCheckpoint | None:
+        """Every rank writes its shard; rank 0 commits the manifest once all shards are on disk."""
+        rank, world, step = distributed.rank(), distributed.world_size(), state.timer.batch.value
+        staging = self.folder / f"{local.STAGING_PREFIX}{local.checkpoint_name(step)}-sharded"
+        if rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+        distributed.barrier()
+        name = sharded.shard_name(rank, world)
+        result: tuple[str, int, str] | tuple[str, str]
+        try:
+            with open(staging / name, "wb") as raw:
+                writer = HashingWriter(raw)
+                _save(sharded.encode(state.state_dict()), writer)
+                raw.flush()
+                os.fsync(raw.fileno())
+            result = (name, writer.size, writer.hexdigest())
+        except OSError as e:
+            result = ("error", f"rank {rank}: {e.strerror or e}")
+        results = distributed.all_gather(result)
+        errors = [r[1] for r in results if r[0] == "error"]
+        if errors:
+            if rank == 0:
+                shutil.rmtree(staging, ignore_errors=True)
+            raise CheckpointWriteError(f"cannot write a sharded checkpoint to {self.folder}: {'; '.join(map(str, errors))}; "
+                                       "free disk space or fix permissions (the previous checkpoint is untouched)")
+        if rank != 0:
+            return None
+        manifest = Manifest(step=step, files=tuple(FileEntry(n, int(size), str(sha)) for n, size, sha in results),
+                            timer=state.timer.state_dict(), meta={**self.meta, "sharded": True})
+        return self._commit(staging, manifest, time.perf_counter())
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the checkpoint in flight; re-raise its failure here, in the training thread."""
@@ -125,17 +164,12 @@ class Checkpointer:
             staging = local.staging_dir(self.folder, step)
             with open(staging / STATE_FILE, "wb") as raw:
                 writer = HashingWriter(raw)
-                try:
-                    torch.save(tree, writer)
-                except RuntimeError:
-                    if writer.error is None:
-                        raise
-                    raise writer.error from None
+                _save(tree, writer)
                 raw.flush()
                 os.fsync(raw.fileno())
             manifest = Manifest(step=step, files=(FileEntry(STATE_FILE, writer.size, writer.hexdigest()),),
                                 timer=timer, meta=self.meta)
-            ckpt = local.commit(staging, manifest)
+            return self._commit(staging, manifest, started)
         except OSError as e:
             if staging is not None:
                 shutil.rmtree(staging, ignore_errors=True)
@@ -143,9 +177,13 @@ class Checkpointer:
                 f"cannot write a checkpoint to {self.folder}: {e.strerror or e}; free disk space or fix "
                 "permissions (the previous checkpoint is untouched)"
             ) from None
+
+    def _commit(self, staging: Path, manifest: Manifest, started: float) -> local.LocalCheckpoint:
+        """Manifest last, rename, prune, report: the checkpoint counts from here on."""
+        ckpt = local.commit(staging, manifest)
         local.prune(self.folder, self.keep, protect=self.protect())
         self.last_write_seconds = time.perf_counter() - started
-        event(logger, "checkpoint", step=step, path=str(ckpt.path), bytes=writer.size,
+        event(logger, "checkpoint", step=manifest.step, path=str(ckpt.path), bytes=manifest.total_size,
               seconds=round(self.last_write_seconds, 3))
         if self.on_commit is not None:
             self.on_commit(ckpt)
@@ -154,6 +192,17 @@ class Checkpointer:
     def newest(self) -> tuple[local.LocalCheckpoint, Manifest] | None:
         local.clean_staging(self.folder)
         return local.newest_verified(self.folder)
+
+
+def _save(tree: Any, writer: HashingWriter) -> None:
+    """torch.save into a hashing writer, surfacing the real I/O error (torch.save replaces it with a
+    RuntimeError while closing its zip writer)."""
+    try:
+        torch.save(tree, writer)
+    except RuntimeError:
+        if writer.error is None:
+            raise
+        raise writer.error from None
 
 
 def open_checkpoint(path: Path) -> tuple[Path, Manifest]:
@@ -178,7 +227,10 @@ def open_checkpoint(path: Path) -> tuple[Path, Manifest]:
 
 def load_state_file(folder: Path) -> dict[str, Any]:
     """Load a state file with ``weights_only=True``: tensors and plain containers only, never code."""
-    path = folder / STATE_FILE
+    return _load(folder / STATE_FILE)
+
+
+def _load(path: Path) -> dict[str, Any]:
     try:
         loaded = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
@@ -205,6 +257,16 @@ def check_settings(manifest: Manifest, meta: dict[str, Any]) -> None:
                            "from an uninterrupted run", key, new, old)
 
 
+def load_shard(folder: Path, mesh: Any) -> dict[str, Any]:
+    """This rank's shard of a sharded checkpoint, its DTensors rebuilt on ``mesh`` (weights_only load)."""
+    path = folder / sharded.shard_name(distributed.rank(), distributed.world_size())
+    if not path.is_file():
+        raise CheckpointLoadError(
+            f"{path} not found: a sharded checkpoint resumes with the same number of ranks, and its folder "
+            "must be visible to every rank (one node, or a shared volume)")
+    return sharded.decode(_load(path), mesh)
+
+
 def restore(state: State, tree: dict[str, Any], source: str) -> None:
     """Load a state dict read by :func:`load_state_file` into ``state``."""
     try:
@@ -229,7 +291,11 @@ def model_sha256(model_state: dict[str, Any]) -> str:
 
 def describe(folder: Path, manifest: Manifest) -> dict[str, Any]:
     """What ``job inspect`` prints: the position in training and a fingerprint of the weights."""
-    loaded = load_state_file(folder)
+    if manifest.meta.get("sharded"):
+        shards = [_load(folder / f.path) for f in sorted(manifest.files, key=lambda f: f.path)]
+        loaded = sharded.gather_full(shards)
+    else:
+        loaded = load_state_file(folder)
     timer = manifest.timer
     return {
         "path": str(folder),

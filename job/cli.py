@@ -102,6 +102,8 @@ def cli() -> None:
 @option("--eval-interval", type=IntervalType(), default="1ep", help="Evaluate every N ba/ep or wall-clock (90s).")
 @option("--log-interval", type=int, default=20, help="Log progress every N batches.")
 @option("--num-workers", type=int, default=0, help="DataLoader worker processes.")
+@option("--sharded/--no-sharded", default=False,
+        help="FSDP2: shard parameters and optimizer state across torchrun ranks; each rank writes its own shard.")
 @option("--save-folder", type=click.Path(file_okay=False, path_type=Path), default=Path("checkpoints"),
         help="Local checkpoint folder.")
 @option("--save-interval", type=IntervalType(), default="5m", help="Checkpoint every N ba/ep or wall clock (90s, 5m).")
@@ -141,7 +143,7 @@ def train(**o: Any) -> None:
             model=o["model"], data=o["data"], max_duration=o["max_duration"], batch_size=o["batch_size"],
             lr=o["lr"], seed=o["seed"], device=resolve_device(o["device"]), precision=Precision(o["precision"]),
             grad_accum=o["grad_accum"], eval_interval=o["eval_interval"], log_interval=o["log_interval"],
-            num_workers=o["num_workers"],
+            num_workers=o["num_workers"], sharded=o["sharded"],
         )
         ckpt = CheckpointConfig(folder=o["save_folder"], interval=o["save_interval"], keep=o["keep"], resume=o["resume"],
                                 async_save=o["async_save"])

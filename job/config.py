@@ -25,6 +25,7 @@ class TrainConfig:
     eval_interval: Interval
     log_interval: int
     num_workers: int
+    sharded: bool = False  # FSDP2: parameters and optimizer state sharded across ranks
 
     def __post_init__(self) -> None:
         if self.max_duration.unit == TimeUnit.DURATION:

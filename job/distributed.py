@@ -86,10 +86,16 @@ def gather_per_rank(tree: dict[str, Any]) -> dict[str, Any]:
     """Add every rank's RNG and metric state to rank 0's state dict (collective: all ranks call it)."""
     if not active():
         return tree
-    mine = {k: tree.get(k) for k in PER_RANK_KEYS}
+    return {**tree, PER_RANK: all_gather({k: tree.get(k) for k in PER_RANK_KEYS})}
+
+
+def all_gather(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order, on every rank."""
+    if not active():
+        return [obj]
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    return {**tree, PER_RANK: everyone}
+    dist.all_gather_object(everyone, obj)
+    return everyone
 
 
 def broadcast_choice(obj: Any) -> Any:

@@ -80,3 +80,34 @@ def test_elastic_restart_after_one_rank_is_killed_completes(spawn, tmp_path, uni
     resumed = [e for e in proc.events if e.get("event") == "resumed"]
     assert resumed and resumed[-1]["step"] >= 20  # the restarted group went on from a checkpoint
     assert inspect(folder)["model_sha256"] == uninterrupted["model_sha256"]
+
+
+@pytest.mark.s3
+def test_sharded_checkpoints_round_trip_through_the_bucket(spawn, tmp_path, s3_bucket):
+    """FSDP2: each rank writes its shard; the manifest lists both; a new machine resumes from the bucket."""
+    from tests.job.test_remote import remote_steps
+    from tests.support.jobs import s3_job_env
+
+    sharded = ["--sharded"]
+    straight = tmp_path / "straight"
+    done = spawn(argv=torchrun() + sharded + ["--save-folder", str(straight)], env=job_env())
+    assert done.wait(timeout=300) == 0, done.stderr[-3000:]
+    expected = inspect(straight)
+
+    env, remote, folder = s3_job_env(s3_bucket), s3_bucket.url("sharded"), tmp_path / "ck"
+    proc = spawn(argv=torchrun() + sharded + ["--save-folder", str(folder), "--remote", remote], env=env)
+    wait_until(lambda: any(s >= 30 for s in remote_steps(s3_bucket, "sharded")), timeout=180,
+               what="a sharded checkpoint in the bucket")
+    _kill_group(proc)
+    import shutil
+
+    shutil.rmtree(folder)
+    restarted = spawn(argv=torchrun() + sharded + ["--save-folder", str(folder), "--remote", remote], env=env)
+    assert restarted.wait(timeout=300) == 0, restarted.stderr[-3000:]
+    assert restarted.wait_event("resumed")["source"].startswith(remote)
+    newest = sorted(p for p in folder.iterdir() if p.name.startswith("step-"))[-1]
+    assert sorted(p.name for p in newest.iterdir()) == [
+        "manifest.json", "shard-00000-of-00002.pt", "shard-00001-of-00002.pt"]
+    info = inspect(folder)
+    assert info["meta"]["sharded"] is True
+    assert info["model_sha256"] == expected["model_sha256"]

@@ -34,8 +34,10 @@ def train_config(**overrides: Any) -> TrainConfig:
     return replace(TINY, **overrides)
 
 
-def ckpt_config(folder: Path, interval: str = "1000ba", keep: int = 3, resume: str = "auto") -> CheckpointConfig:
-    return CheckpointConfig(folder=folder, interval=Interval.parse(interval), keep=keep, resume=resume)
+def ckpt_config(folder: Path, interval: str = "1000ba", keep: int = 3, resume: str = "auto",
+                async_save: bool = True) -> CheckpointConfig:
+    return CheckpointConfig(folder=folder, interval=Interval.parse(interval), keep=keep, resume=resume,
+                            async_save=async_save)
 
 
 def assert_states_equal(a: State, b: State) -> None:

