@@ -205,20 +205,19 @@ def _stop_for_preemption(state: State, cadence: CheckpointCadence, store: Remote
         if not uploaded:
             logger.warning("the final checkpoint did not finish uploading within the grace period; it stays in "
                            "%s for a sidecar or the next start", cadence.checkpointer.folder)
-    if cadence.last_step is not None and distributed.rank() == 0:
-        local.mark_finished(cadence.checkpointer.folder, cadence.last_step, reason="preempted")
     distributed.barrier()
+    if cadence.last_step is not None and distributed.node_leader():  # every node's sidecar may leave
+        local.mark_finished(cadence.checkpointer.folder, cadence.last_step, reason="preempted")
     event(logger, "preempted", step=step, checkpoint_step=cadence.last_step, uploaded=uploaded, reason=stop.reason)
 
 
 def _mark_failed(folder: Path) -> None:
     """Let a sidecar finish uploading and exit instead of waiting for a job that is gone."""
     committed = local.list_committed(folder)
-    if committed:
-        try:
-            local.mark_finished(folder, committed[-1].step, reason="failed")
-        except OSError:
-            logger.debug("could not mark %s failed", folder, exc_info=True)
+    try:
+        local.mark_finished(folder, committed[-1].step if committed else 0, reason="failed")
+    except OSError:
+        logger.debug("could not mark %s failed", folder, exc_info=True)
 
 
 def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig | None = None,
@@ -272,14 +271,14 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
         cadence.save_durable(state)
         if store is not None:
             store.wait(None)
-        if leader:
-            local.mark_finished(ckpt_cfg.folder, state.timer.batch.value, reason="completed")
         distributed.barrier()
+        if distributed.node_leader():  # on other nodes the folder is empty: their sidecars simply leave
+            local.mark_finished(ckpt_cfg.folder, state.timer.batch.value, reason="completed")
         event(logger, "finished", step=state.timer.batch.value, epoch=state.timer.epoch.value,
               metrics={label: {k: round(float(v), 6) for k, v in m.items()} for label, m in state.current_metrics.items()})
         return Outcome(state, preempted=False)
     except Exception:
-        if leader:
+        if distributed.node_leader():
             _mark_failed(ckpt_cfg.folder)
         raise
     finally:

@@ -63,6 +63,13 @@ def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def node_leader() -> bool:
+    """True for one process per node (local rank 0): the one that speaks for the node's local folder."""
+    if not dist.is_initialized():
+        return True
+    return dist.get_node_local_rank(fallback_rank=0) == 0
+
+
 def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
