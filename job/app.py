@@ -147,12 +147,14 @@ def choose(cfg: CheckpointConfig, checkpointer: Checkpointer,
         folder, manifest = open_checkpoint(Path(cfg.resume))
         return folder, manifest, str(folder)
     pulled = store.pull_if_newer(cfg.folder) if store is not None else None
+    if store is not None and pulled is not None:
+        # Verified byte for byte while it streamed to disk: hashing it again would only delay the resume.
+        return pulled.path, pulled.manifest(), store.describe(pulled)
     found = checkpointer.newest()
     if found is None:
         return None
     ckpt, manifest = found
-    source = store.describe(pulled) if store is not None and pulled is not None and pulled.step == ckpt.step else str(ckpt.path)
-    return ckpt.path, manifest, source
+    return ckpt.path, manifest, str(ckpt.path)
 
 
 def resume(state: State, cfg: CheckpointConfig, checkpointer: Checkpointer, meta: dict[str, Any],

@@ -58,6 +58,13 @@ def test_resume_startup_smoke():
     assert_ends_with_ratio(run_bench("resume_startup", "--smoke"))
 
 
+@pytest.mark.slow
+@pytest.mark.s3
+def test_download_breakdown_smoke():
+    needs_s3_tools()
+    assert_ends_with_ratio(run_bench("download_breakdown", "--smoke"))
+
+
 def test_gpu_check_is_a_runnable_script_without_a_gpu():
     """The GPU check cannot run here; at least its options parse and it prints the commands it would run."""
     for args in (["--help"], ["--dry-run"]):

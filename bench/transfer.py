@@ -1,0 +1,174 @@
+"""Upload and download throughput of a checkpoint: uploader.sync.push / pull_newest vs. s5cmd cp.
+
+Both talk to the same SeaweedFS server (``weed mini`` on free 127.0.0.1 ports, started here and
+stopped after) in the same run, arms interleaved. The checkpoint is one ``state.pt`` of random
+(incompressible) bytes, committed locally the way the job commits, 1 GiB by default. Target: ours
+at least as fast as s5cmd both ways (ratio = our MB/s / s5cmd's MB/s >= 1.0).
+
+What each side does, so the ratio can be read fairly:
+
+* ours up: read the file once (page cache), sha256 it while reading, multipart upload
+  (``--part-size`` x ``--concurrency`` in flight), the manifest last, ``latest``, retention.
+* ours down: list, read the manifest, HEAD, ranged GETs (``--part-size`` x ``--concurrency``),
+  written and sha256-checked in order, fsync, atomic commit of the folder.
+* s5cmd: ``s5cmd cp`` with its defaults (50 MB parts, 5 in flight), no end-to-end hash, no fsync;
+  ``s5cmd down + fsync`` is also shown (the fsync timed separately, right after) to separate the
+  durability cost from the transfer.
+
+The source file is in the page cache for every upload (it was just written), and the server's
+volume data likely is too: this measures the client and the loopback server, not a disk.
+"""
+from __future__ import annotations
+
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as `python bench/transfer.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import (MB, GiB, MiB, fsync_file, interleaved, median, parser, print_machine, progress,
+                          random_checkpoint, ratio, s3_bucket, scratch, venv_binary)
+
+TARGET = 1.0
+FILE = "state.pt"
+
+
+class Clock:
+    """Wall seconds and CPU seconds (user + sys) of a block: of this process, or of the child processes
+    that ended inside it (s5cmd). CPU matters here: client and server share two cores."""
+
+    def __init__(self, children: bool) -> None:
+        self.who = resource.RUSAGE_CHILDREN if children else resource.RUSAGE_SELF
+
+    def _cpu(self) -> float:
+        usage = resource.getrusage(self.who)
+        return usage.ru_utime + usage.ru_stime
+
+    def __enter__(self) -> Clock:
+        self.wall, self.cpu = time.perf_counter(), self._cpu()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wall, self.cpu = time.perf_counter() - self.wall, self._cpu() - self.cpu
+
+    def result(self) -> dict[str, float]:
+        return {"wall": self.wall, "cpu": self.cpu}
+
+
+class S5cmd:
+    """``s5cmd --endpoint-url URL cp SRC DST`` with this process's (benchmark-only) AWS credentials."""
+
+    def __init__(self, endpoint_url: str) -> None:
+        self.argv = [str(venv_binary("s5cmd")), "--endpoint-url", endpoint_url]
+
+    def cp(self, src: str, dst: str, *flags: str) -> None:
+        self._run("cp", *flags, src, dst)
+
+    def rm(self, url: str) -> None:
+        self._run("rm", url)
+
+    def _run(self, *args: str) -> None:
+        done = subprocess.run([*self.argv, *args], capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            raise RuntimeError(f"s5cmd {' '.join(args)} failed ({done.returncode}): {done.stderr.strip()[-500:]}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from uploader.config import UploadConfig
+    from uploader.remote import open_remote
+    from uploader.sync import pull_newest, push
+
+    p = parser(__doc__)
+    p.add_argument("--size-mib", type=int, default=1024, help="checkpoint size in MiB")
+    p.add_argument("--part-size", type=int, default=None, help="our part size in MiB (default: UploadConfig's)")
+    p.add_argument("--concurrency", type=int, default=None, help="our parts in flight (default: UploadConfig's)")
+    p.add_argument("--s5cmd-flags", default="", help="extra flags of s5cmd cp, e.g. '--concurrency 8 --part-size 16'")
+    args = p.parse_args(argv)
+    size = (16 if args.smoke else args.size_mib) * MiB
+    rounds = args.rounds or (1 if args.smoke else 3)
+    settings: dict[str, Any] = {"addressing": "path"}
+    if args.part_size is not None:
+        settings["part_size"] = args.part_size * MiB
+    if args.concurrency is not None:
+        settings["concurrency"] = args.concurrency
+    s5_flags = args.s5cmd_flags.split()
+    print_machine(args.tmpdir)
+
+    with scratch("transfer", args.tmpdir) as workdir, s3_bucket(workdir) as bucket:
+        config = UploadConfig(endpoint_url=bucket.endpoint_url, **settings)
+        progress(f"{size / MiB:g} MiB checkpoint; ours: part {config.part_size // MiB} MiB x {config.concurrency} "
+                 f"in flight, multipart from {config.multipart_threshold // MiB} MiB; "
+                 f"s5cmd flags: {s5_flags or 'defaults'}")
+        ckpt = random_checkpoint(workdir / "local", step=1, files={FILE: size})
+        s5 = S5cmd(bucket.endpoint_url)
+        seed = open_remote(bucket.url("seed"), config)
+        push(ckpt, seed, keep=1)  # what both downloads fetch
+        seed_key = f"s3://{bucket.name}/seed/{ckpt.name}/{FILE}"
+        counter = iter(range(10 ** 6))
+
+        def ours_up() -> dict[str, float]:
+            remote = open_remote(bucket.url(f"up-{next(counter)}"), config)
+            try:
+                with Clock(children=False) as clock:
+                    push(ckpt, remote, keep=1)
+                remote.delete([o.key for o in remote.list()])
+            finally:
+                remote.close()
+            return clock.result()
+
+        def s5cmd_up() -> dict[str, float]:
+            dst = f"s3://{bucket.name}/s5-{next(counter)}/{FILE}"
+            with Clock(children=True) as clock:
+                s5.cp(str(ckpt.path / FILE), dst, *s5_flags)
+            s5.rm(dst)
+            return clock.result()
+
+        def ours_down() -> dict[str, float]:
+            folder = workdir / f"down-{next(counter)}"
+            with Clock(children=False) as clock:
+                pulled = pull_newest(seed, folder)
+            assert pulled is not None and pulled.step == ckpt.step
+            shutil.rmtree(folder)
+            return clock.result()
+
+        def s5cmd_down() -> dict[str, float]:
+            folder = workdir / f"down-{next(counter)}"
+            folder.mkdir()
+            with Clock(children=True) as clock:
+                s5.cp(seed_key, str(folder / FILE), *s5_flags)
+            synced = time.perf_counter()
+            fsync_file(folder / FILE)
+            fsync_seconds = time.perf_counter() - synced
+            if (folder / FILE).stat().st_size != size:
+                raise RuntimeError("s5cmd downloaded a file of the wrong size")
+            shutil.rmtree(folder)
+            return {**clock.result(), "fsync": fsync_seconds}
+
+        results = interleaved({"ours_up": ours_up, "s5cmd_up": s5cmd_up, "ours_down": ours_down,
+                               "s5cmd_down": s5cmd_down}, rounds=rounds, log=progress)
+        seed.close()
+
+    t = {name: median([r["wall"] for r in runs]) for name, runs in results.items()}
+    cpu = {name: median([r["cpu"] for r in runs]) for name, runs in results.items()}
+    fsync_s = median([r["fsync"] for r in results["s5cmd_down"]])
+    rate = {name: size / seconds / MB for name, seconds in t.items()}
+    gib = size / GiB
+    print(f"{size / MiB:g} MiB, median of {rounds}, MB/s (10^6 B/s): ours up {rate['ours_up']:.0f}, s5cmd up "
+          f"{rate['s5cmd_up']:.0f}; ours down {rate['ours_down']:.0f}, s5cmd down {rate['s5cmd_down']:.0f} "
+          f"(s5cmd down + fsync {size / (t['s5cmd_down'] + fsync_s) / MB:.0f}); ours: part "
+          f"{config.part_size // MiB} MiB x {config.concurrency}")
+    print("client CPU seconds (user+sys) per GiB: " + ", ".join(f"{n} {c / gib:.2f}" for n, c in cpu.items())
+          + " (the server's are not counted; it shares the same cores)")
+    up, down = rate["ours_up"] / rate["s5cmd_up"], rate["ours_down"] / rate["s5cmd_down"]
+    print(ratio("upload ours/s5cmd", up, TARGET, at_most=False) + "; "
+          + ratio("download ours/s5cmd", down, TARGET, at_most=False), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
