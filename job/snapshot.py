@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 Path_ = tuple[Any, ...]
+_SCALARS = (int, float, bool, str, bytes, type(None))
 
 
 class HostSnapshot:
@@ -45,6 +46,9 @@ class HostSnapshot:
             return self._copy_tensor(node, path)
         if isinstance(node, dict):
             return type(node)((k, self._copy(v, (*path, k), seen)) for k, v in node.items())
+        if isinstance(node, (list, tuple)) and all(isinstance(v, _SCALARS) for v in node):
+            # Immutable leaves (the python RNG state is 625 ints): a shallow copy is a full copy.
+            return list(node) if isinstance(node, list) else node
         if isinstance(node, list):
             return [self._copy(v, (*path, i), seen) for i, v in enumerate(node)]
         if isinstance(node, tuple):

@@ -82,3 +82,11 @@ def test_snapshot_buffers_are_reused_between_checkpoints(run):
     second, _ = snap.capture(run.state.model.state_dict())
     assert {k: v.data_ptr() for k, v in second.items()} == ptrs  # about one extra copy of the state, not one per save
     assert all(first[k] is not v for k, v in run.state.model.state_dict().items())
+
+
+def test_snapshot_keeps_every_non_tensor_leaf_exactly(run):
+    tree = run.state.state_dict()
+    copied, _ = HostSnapshot().capture(tree)
+    assert copied["rng"]["python"] == tree["rng"]["python"]
+    assert copied["timer"] == tree["timer"] and copied["current_metrics"] == tree["current_metrics"]
+    assert torch.equal(copied["rng"]["torch"], tree["rng"]["torch"])
