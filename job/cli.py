@@ -68,9 +68,13 @@ class IntervalType(click.ParamType):
 
 def torchrun_env() -> DistConfig:
     """torchrun's variables (WORLD_SIZE, RANK, LOCAL_RANK); a plain start is one process of one."""
+    env = os.environ
     try:
-        return DistConfig(world_size=int(os.environ.get("WORLD_SIZE", "1")), rank=int(os.environ.get("RANK", "0")),
-                          local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+        return DistConfig(world_size=int(env.get("WORLD_SIZE", "1")), rank=int(env.get("RANK", "0")),
+                          local_rank=int(env.get("LOCAL_RANK", "0")), master_addr=env.get("MASTER_ADDR", ""),
+                          master_port=int(env.get("MASTER_PORT", "0")),
+                          attempt=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                          agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true")
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

@@ -30,6 +30,10 @@ class DistConfig:
     world_size: int = 1
     rank: int = 0
     local_rank: int = 0
+    master_addr: str = ""
+    master_port: int = 0
+    attempt: int = 0  # torchrun's restart count: each restarted group gets a fresh store namespace
+    agent_store: bool = False  # the launcher hosts the store (TORCHELASTIC_USE_AGENT_STORE)
 
     @property
     def enabled(self) -> bool:
@@ -46,8 +50,16 @@ def init(cfg: DistConfig, device: str) -> None:
         return
     if device == "cuda":
         torch.cuda.set_device(cfg.local_rank)
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method="env://",
-                            timeout=datetime.timedelta(minutes=10))
+    backend, timeout = ("nccl" if device == "cuda" else "gloo"), datetime.timedelta(minutes=10)
+    if not cfg.master_port:
+        dist.init_process_group(backend, init_method="env://", timeout=timeout)
+        return
+    # Seen with torch 2.13: after an elastic restart, gloo read the previous group's peer addresses from
+    # the launcher's store (connection refused, every round). A namespace per restart keeps them apart.
+    store = dist.TCPStore(cfg.master_addr, cfg.master_port, cfg.world_size,
+                          is_master=not cfg.agent_store and cfg.rank == 0, timeout=timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"/spot-trainer/attempt_{cfg.attempt}", store),
+                            rank=cfg.rank, world_size=cfg.world_size, timeout=timeout)
 
 
 def shutdown() -> None:

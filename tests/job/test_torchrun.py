@@ -72,9 +72,8 @@ def test_sigterm_stops_both_ranks_at_the_same_step_with_a_final_checkpoint(spawn
 
 def test_elastic_restart_after_one_rank_is_killed_completes(spawn, tmp_path, uninterrupted):
     folder = tmp_path / "ck"
-    # Observed here: the first restarted round sometimes fails gloo's connect (connection refused) and
-    # costs one restart of its own, so the group gets three.
-    proc = spawn(argv=torchrun("--max-restarts", "3") + ["--save-folder", str(folder)], env=job_env())
+    # One restart must be enough (job.distributed gives each restarted group its own store namespace).
+    proc = spawn(argv=torchrun("--max-restarts", "1") + ["--save-folder", str(folder)], env=job_env())
     proc.wait_event("checkpoint", lambda e: e["step"] >= 20)
     wait_until(lambda: worker_of_rank(proc.proc.pid, 1) is not None, what="rank 1's process")
     os.kill(worker_of_rank(proc.proc.pid, 1), signal.SIGKILL)
