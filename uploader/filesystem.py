@@ -21,7 +21,7 @@ from typing import BinaryIO
 from urllib.parse import urlparse
 
 from uploader.exceptions import Aborted, BucketNotFound, CorruptCheckpoint, StorageError
-from uploader.hashing import CHUNK, fsync_dir
+from uploader.hashing import CHUNK, fsync_path
 from uploader.remote import ObjectInfo, OnBytes
 
 logger = logging.getLogger(__name__)
@@ -184,7 +184,7 @@ class FileRemote:
         try:
             yield tmp
             os.replace(tmp, target)
-            fsync_dir(target.parent)
+            fsync_path(target.parent)
         except OSError as e:
             raise StorageError(f"cannot write {target}: {e.strerror}") from None
         finally:

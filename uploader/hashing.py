@@ -52,8 +52,8 @@ class HashingWriter:
         return self._digest.hexdigest()
 
 
-def fsync_dir(path: Path) -> None:
-    """Make a rename or a new entry in a directory durable."""
+def fsync_path(path: Path) -> None:
+    """fsync a file, or a directory (to make a rename or a new entry in it durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

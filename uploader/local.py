@@ -22,7 +22,7 @@ from pathlib import Path
 from collections.abc import Collection
 
 from uploader.exceptions import CorruptCheckpoint, ManifestError
-from uploader.hashing import fsync_dir
+from uploader.hashing import fsync_path
 from uploader.manifest import MANIFEST_NAME, Manifest
 
 logger = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ def commit(staging: Path, manifest: Manifest) -> LocalCheckpoint:
         f.write(manifest.to_json())
         f.flush()
         os.fsync(f.fileno())
-    fsync_dir(staging)
+    fsync_path(staging)
     final = staging.parent / checkpoint_name(manifest.step)
     if final.exists():
         old = staging.parent / f"{STAGING_PREFIX}old-{final.name}-{os.getpid()}"
@@ -111,7 +111,7 @@ def commit(staging: Path, manifest: Manifest) -> LocalCheckpoint:
         shutil.rmtree(old, ignore_errors=True)
     else:
         staging.rename(final)
-    fsync_dir(staging.parent)
+    fsync_path(staging.parent)
     return LocalCheckpoint(final, manifest.step)
 
 
@@ -159,7 +159,7 @@ def mark_finished(folder: Path, step: int, reason: str = "completed") -> None:
     tmp = folder / f".{FINISHED_NAME}.tmp"
     tmp.write_text(json.dumps({"step": step, "reason": reason}))
     os.replace(tmp, folder / FINISHED_NAME)
-    fsync_dir(folder)
+    fsync_path(folder)
 
 
 def finished_marker(folder: Path) -> Finished | None:
