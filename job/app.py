@@ -53,6 +53,9 @@ def run_meta(cfg: TrainConfig) -> dict[str, Any]:
 class Outcome:
     state: State
     preempted: bool
+    # A checkpoint write still running at the end (a grace period too short to wait for it): the
+    # process must exit without the interpreter's shutdown, which aborts a thread inside torch.save.
+    writing: bool = False
 
 
 @dataclass
@@ -65,7 +68,8 @@ class CheckpointCadence:
 
     checkpointer: Checkpointer
     cfg: CheckpointConfig
-    last_step: int | None = None
+    last_step: int | None = None  # the step of the last checkpoint taken (it may still be being written)
+    _previous_step: int | None = None
     _owed: bool = False
     _clock: float = field(default_factory=time.monotonic)
 
@@ -95,9 +99,13 @@ class CheckpointCadence:
             self._taken(state)
 
     def _taken(self, state: State) -> None:
-        self.last_step = state.timer.batch.value
+        self._previous_step, self.last_step = self.last_step, state.timer.batch.value
         self._owed = False
         self._clock = time.monotonic()
+
+    def kept_step(self) -> int | None:
+        """The newest checkpoint that is durable now: the last one taken, unless it is still being written."""
+        return self._previous_step if self.checkpointer.in_flight() else self.last_step
 
     def saved_now(self, state: State) -> bool:
         return self.last_step == state.timer.batch.value
@@ -195,22 +203,23 @@ def _stop_for_preemption(state: State, cadence: CheckpointCadence, store: Remote
     needed = cadence.estimate_seconds(state) * 1.5 + EXIT_MARGIN_SECONDS
     # Rank 0's clock decides for all ranks: the save is a collective.
     if distributed.broadcast_choice(not cadence.saved_now(state) and stop.time_left() < needed):
-        event(logger, "grace_too_short", level=logging.WARNING, step=step, seconds_left=round(stop.time_left(), 1),
-              seconds_needed=round(needed, 1), kept_step=cadence.last_step,
-              message="no time for a final checkpoint; exiting before the kill with the previous one")
         cadence.checkpointer.wait(max(stop.time_left() - EXIT_MARGIN_SECONDS, 0.0))
+        event(logger, "grace_too_short", level=logging.WARNING, step=step, seconds_left=round(stop.time_left(), 1),
+              seconds_needed=round(needed, 1), kept_step=cadence.kept_step(),
+              message="no time for a final checkpoint; exiting before the kill with the previous one")
     else:
         cadence.save_durable(state)
+    kept = cadence.kept_step()
     uploaded = True
-    if store is not None and cadence.last_step is not None:
+    if store is not None and kept is not None:
         uploaded = store.wait(max(stop.time_left() - EXIT_MARGIN_SECONDS, 0.0))
         if not uploaded:
             logger.warning("the final checkpoint did not finish uploading within the grace period; it stays in "
                            "%s for a sidecar or the next start", cadence.checkpointer.folder)
     distributed.barrier()
-    if cadence.last_step is not None and distributed.node_leader():  # every node's sidecar may leave
-        local.mark_finished(cadence.checkpointer.folder, cadence.last_step, reason="preempted")
-    event(logger, "preempted", step=step, checkpoint_step=cadence.last_step, uploaded=uploaded, reason=stop.reason)
+    if kept is not None and distributed.node_leader():  # every node's sidecar may leave
+        local.mark_finished(cadence.checkpointer.folder, kept, reason="preempted")
+    event(logger, "preempted", step=step, checkpoint_step=kept, uploaded=uploaded, reason=stop.reason)
 
 
 def _mark_failed(folder: Path) -> None:
@@ -233,6 +242,7 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
     meta = run_meta(cfg)
     leader = distributed.rank() == 0
     store = RemoteStore(remote_cfg) if leader and remote_cfg is not None and remote_cfg.url else None
+    checkpointer: Checkpointer | None = None
     try:
         checkpointer = Checkpointer(ckpt_cfg.folder, ckpt_cfg.keep, meta,
                                     protect=store.pending if store is not None else None,
@@ -269,7 +279,7 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
         Trainer(run, cfg.eval_interval, cfg.log_interval, after_step=after_step, should_stop=should_stop).fit()
         if stop.requested:
             _stop_for_preemption(state, cadence, store, stop)
-            return Outcome(state, preempted=True)
+            return Outcome(state, preempted=True, writing=checkpointer.in_flight())
         cadence.save_durable(state)
         if store is not None:
             store.wait(None)
@@ -280,6 +290,8 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
               metrics={label: {k: round(float(v), 6) for k, v in m.items()} for label, m in state.current_metrics.items()})
         return Outcome(state, preempted=False)
     except Exception:
+        if checkpointer is not None:  # a failure in the loop can find a checkpoint being written
+            checkpointer.close(timeout=max(stop.time_left() - EXIT_MARGIN_SECONDS, 0.0) if stop.requested else None)
         if distributed.node_leader():
             _mark_failed(ckpt_cfg.folder)
         raise

@@ -143,6 +143,19 @@ class Checkpointer:
         self._raise_background_error()
         return True
 
+    def close(self, timeout: float | None = None) -> bool:
+        """On the way out after a failure: let the write in flight finish (it commits or cleans up after
+        itself), keeping the failure that is already on its way to the user; its own error is logged.
+
+        A process that exits while this thread is inside torch.save is aborted by the C++ runtime
+        ("terminate called without an active exception"), losing the documented exit code.
+        """
+        try:
+            return self.wait(timeout)
+        except Exception as e:  # noqa: BLE001 - the caller is already raising the first failure
+            logger.warning("the checkpoint in flight failed too: %s", e)
+            return True
+
     def _raise_background_error(self) -> None:
         if self._error is not None:
             error, self._error = self._error, None

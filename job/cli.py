@@ -12,7 +12,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import click
 import torch
@@ -172,8 +172,20 @@ def train(**o: Any) -> None:
             spot.close()
         stop.uninstall()
         distributed.shutdown()
+    if outcome.preempted and outcome.writing:  # its staging folder is cleaned up by the next start
+        exit_now(EXIT_PREEMPTED)
     if outcome.preempted:
         sys.exit(EXIT_PREEMPTED)
+
+
+def exit_now(code: int) -> NoReturn:
+    """Exit with ``code`` while a daemon thread is still inside torch: a normal interpreter shutdown
+    would stop that thread mid-C++ and the runtime aborts the process (SIGABRT), losing the code
+    that Kubernetes' podFailurePolicy reads."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 @cli.command()

@@ -3,15 +3,19 @@ from __future__ import annotations
 
 import errno
 import threading
+import time
 
 import pytest
 import torch
 
+from job.app import train
 from job.build import build
 from job.checkpoint import Checkpointer, load_state_file
 from job.exceptions import CheckpointWriteError
+from job.signals import StopRequest
 from job.snapshot import HostSnapshot
-from tests.support.jobs import train_config
+from state import State
+from tests.support.jobs import ckpt_config, train_config
 from uploader import local
 
 
@@ -90,3 +94,31 @@ def test_snapshot_keeps_every_non_tensor_leaf_exactly(run):
     assert copied["rng"]["python"] == tree["rng"]["python"]
     assert copied["timer"] == tree["timer"] and copied["current_metrics"] == tree["current_metrics"]
     assert torch.equal(copied["rng"]["torch"], tree["rng"]["torch"])
+
+
+class FailAtStep(StopRequest):
+    """A loop that fails (as a storage error raised after a step would) once it reaches ``step``."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(grace_period=float("inf"))
+        self.step = step
+
+    def should_stop(self, state: object = None) -> bool:
+        if isinstance(state, State) and state.timer.batch.value >= self.step:
+            raise RuntimeError(f"the loop failed at step {self.step}")
+        return False
+
+
+def test_a_failing_loop_lets_the_checkpoint_in_flight_finish_before_it_raises(tmp_path, monkeypatch):
+    """Otherwise the process exits with the writer inside torch.save and the runtime aborts it (SIGABRT)."""
+    real = local.commit
+
+    def slow_commit(staging, manifest):
+        time.sleep(0.5)  # the write of step 10 is still in flight when step 11 fails
+        return real(staging, manifest)
+
+    monkeypatch.setattr(local, "commit", slow_commit)
+    with pytest.raises(RuntimeError, match="failed at step 11"):
+        train(train_config(), ckpt_config(tmp_path, interval="10ba"), stop=FailAtStep(11))
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("checkpoint-")]
+    assert [c.step for c in local.list_committed(tmp_path)] == [10]

@@ -8,6 +8,7 @@ import pytest
 
 from tests.support.jobs import REPO, inspect, run_job
 from tests.support.metadata import MetadataServer
+from tests.support.polling import wait_until
 from uploader import local
 
 pytestmark = pytest.mark.slow
@@ -77,6 +78,26 @@ def test_grace_too_short_says_so_and_exits_before_the_kill(spawn, tmp_path):
     preempted = proc.wait_event("preempted")
     assert warning["kept_step"] == preempted["checkpoint_step"] < preempted["step"]
     assert inspect(folder)["step"] == preempted["checkpoint_step"]
+
+
+def test_grace_too_short_mid_write_exits_75_with_the_previous_checkpoint(spawn, tmp_path):
+    """The second checkpoint is inside torch.save when SIGTERM comes with no grace: the job must not wait
+    for it, must not be aborted by the runtime for leaving it behind, and reports (and marks for the
+    sidecar) the checkpoint that is really on disk."""
+    folder, marker = tmp_path / "ck", tmp_path / "saving"
+    proc = spawn(argv=[sys.executable, "-m", "tests.support.slow_save_job", str(marker), "2", "torch-save", "--",
+                       "train", *ARGS, "--save-folder", str(folder), "--save-interval", "10ba",
+                       "--grace-period", "0"], cwd=REPO)
+    wait_until(marker.exists, what="the second checkpoint to be inside torch.save")
+    proc.signal(signal.SIGTERM)
+    assert proc.wait() == 75, proc.stderr
+    assert "terminate called" not in proc.stderr
+    assert proc.wait_event("grace_too_short")["kept_step"] == proc.wait_event("preempted")["checkpoint_step"] == 10
+    assert [c.step for c in local.list_committed(folder)] == [10]
+    assert local.read_finished(folder) == 10
+    resumed = run_job("train", *ARGS, "--max-duration", "30ba", "--save-folder", str(folder))
+    assert resumed.returncode == 0, resumed.stderr
+    assert inspect(folder)["step"] == 30
 
 
 def test_aws_notice_checkpoints_at_once_and_training_goes_on(spawn, tmp_path):
