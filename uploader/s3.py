@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import http.client
 import logging
 import os
 import threading
@@ -40,6 +41,7 @@ from uploader.exceptions import (
     TransientStorageError,
     UploaderError,
 )
+from uploader.hashing import hash_range, pwrite_all, start_writeback
 from uploader.parallel import ordered_map
 from uploader.remote import ObjectInfo, OnBytes
 from uploader.retry import describe, error_code, is_transient, retrying
@@ -50,6 +52,8 @@ T = TypeVar("T")
 
 SHA256_METADATA = "sha256"  # sent as the x-amz-meta-sha256 header
 DELETE_BATCH = 1000  # the most keys one DeleteObjects request takes
+# Downloads stream through buffers of this size (one per worker, one for hashing), never part-sized ones.
+STREAM_CHUNK = 1 * MiB
 
 _AUTH_CODES = frozenset(
     {
@@ -221,38 +225,38 @@ class S3Remote:
         ranges = [(start, min(start + step, size) - 1) for start in range(0, size, step)]
         failed = threading.Event()
         should_abort = _either(failed, abort)
+        buffers = threading.local()  # one reused streaming buffer per worker thread
 
         digest = hashlib.sha256()
-        with open(path, "wb") as f:
+        with open(path, "w+b") as f:
             fd = f.fileno()
+            os.ftruncate(fd, size)  # every range lands in place, in parallel, as it arrives
 
-            def fetch(span: tuple[int, int]) -> bytes:
-                """Download one range and write it in place at once (in parallel with the other ranges:
-                writing 1 GiB from one thread was the bottleneck); the caller hashes ranges in order."""
+            def fetch(span: tuple[int, int]) -> tuple[int, int]:
+                """Stream one range straight into its place in the file (no part-sized buffer); the
+                caller hashes finished ranges in order, reading them back from the page cache."""
                 first, last = span
 
-                def op() -> bytes:
+                def op() -> None:
                     reply = self._client.get_object(Bucket=self.bucket, Key=self._key(key),
                                                     Range=f"bytes={first}-{last}")
                     with contextlib.closing(reply["Body"]) as body:
-                        return bytes(body.read())
+                        if not hasattr(buffers, "chunk"):
+                            buffers.chunk = bytearray(STREAM_CHUNK)
+                        _stream_into(body, fd, first, last - first + 1, buffers.chunk)
 
-                data = self._call(f"GET {key} bytes {first}-{last}", op, should_abort)
-                if len(data) != last - first + 1:
-                    raise CorruptCheckpoint(f"{self.url}/{key}: asked for bytes {first}-{last}, got {len(data)} bytes")
-                view, offset = memoryview(data), first
-                while view:
-                    written = os.pwrite(fd, view, offset)
-                    view, offset = view[written:], offset + written
-                return data
+                self._call(f"GET {key} bytes {first}-{last}", op, should_abort)
+                start_writeback(fd, first, last - first + 1)
+                return span
 
             window = max(1, min(self.config.concurrency, len(ranges)))
             parts_in_order = ordered_map(fetch, ranges, window=window, failed=failed, name="uploader-get")
+            hash_buffer = bytearray(STREAM_CHUNK)
             with contextlib.closing(parts_in_order) as parts:
-                for data in parts:
-                    digest.update(data)
+                for first, last in parts:
+                    hash_range(digest, fd, first, last - first + 1, hash_buffer)
                     if on_bytes is not None:
-                        on_bytes(len(data))
+                        on_bytes(last - first + 1)
             os.fsync(fd)
         if digest.hexdigest() != sha256:
             raise CorruptCheckpoint(f"{self.url}/{key} fails its sha256 check")
@@ -424,6 +428,31 @@ def _either(failed: threading.Event | None, abort: threading.Event | None) -> Ca
     if not events:
         return None
     return lambda: any(e.is_set() for e in events)
+
+
+def _stream_into(body: Any, fd: int, offset: int, length: int, chunk: bytearray) -> None:
+    """Copy a response body of ``length`` bytes to ``fd`` at ``offset``, one reused chunk at a time.
+
+    Reads go straight from the socket into ``chunk`` (http.client's ``readinto`` under urllib3), with
+    no intermediate bytes objects; bodies without that path (other HTTP stacks) fall back to
+    ``read``. A body that ends early raises IncompleteRead, which the retry layer retries.
+    """
+    raw = getattr(getattr(body, "_raw_stream", None), "_fp", None)
+    readinto = getattr(raw, "readinto", None)
+    view = memoryview(chunk)
+    done = 0
+    while done < length:
+        want = view[: min(len(view), length - done)]
+        if readinto is not None:
+            n = readinto(want)
+        else:
+            data = body.read(len(want))
+            n = len(data)
+            want[:n] = data
+        if not n:
+            raise http.client.IncompleteRead(b"", length - done)
+        pwrite_all(fd, want[:n], offset + done)
+        done += n
 
 
 def _read_local(path: Path) -> bytes:

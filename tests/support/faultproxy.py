@@ -4,6 +4,8 @@ Faults can be switched while traffic flows:
 
 * ``reset_after(n, times)``: the next ``times`` connections (None: all) that carry data, already open
   ones included, are reset (RST) once ``n`` more bytes have passed in either direction: mid-transfer;
+  with ``graceful=True`` they are closed cleanly (FIN) instead, as a server or load balancer that
+  gives up on a connection does: the client sees a body that simply ends early;
 * ``slow_down(k)``: the next ``k`` requests are answered ``503 Slow Down`` with an S3 XML error body,
   without reaching the server;
 * ``delay(seconds)``: sleep before forwarding every chunk (a slow link);
@@ -55,6 +57,7 @@ class FaultProxy:
         self._lock = threading.Lock()
         self._reset_after: int | None = None
         self._reset_times: int | None = None
+        self._graceful = False
         self._generation = 0  # bumped by reset_after(): connections then claim a fresh budget
         self._slowdowns = 0
         self._delay = 0.0
@@ -75,9 +78,9 @@ class FaultProxy:
             self._reset_after, self._reset_times, self._slowdowns, self._delay = None, None, 0, 0.0
             self._generation += 1
 
-    def reset_after(self, nbytes: int, times: int | None = None) -> None:
+    def reset_after(self, nbytes: int, times: int | None = None, graceful: bool = False) -> None:
         with self._lock:
-            self._reset_after, self._reset_times = nbytes, times
+            self._reset_after, self._reset_times, self._graceful = nbytes, times, graceful
             self._generation += 1
 
     def slow_down(self, requests: int) -> None:
@@ -243,6 +246,10 @@ class _Connection:
             self.dead = True
         with self.proxy._lock:
             self.proxy.counters.resets += 1
+            graceful = self.proxy._graceful
+        if graceful:
+            self.dead = False
+            return self._finish()
         _hard_close(self.client)
         _hard_close(self.upstream)
 

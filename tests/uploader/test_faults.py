@@ -50,12 +50,13 @@ def test_upload_survives_transient_faults(
     assert pulled is not None and data_files_of(pulled.path) == data_files_of(ckpt.path)
 
 
-def test_download_survives_resets(fault_proxy: FaultProxy, s3_bucket: Bucket, tmp_path: Path) -> None:
+@pytest.mark.parametrize("graceful", [False, True], ids=["reset", "closed-early"])
+def test_download_survives_resets(fault_proxy: FaultProxy, s3_bucket: Bucket, tmp_path: Path, graceful: bool) -> None:
     ckpt = make_checkpoint(tmp_path / "local", 10, WITH_LARGE_FILE)
     remote = via(fault_proxy, s3_bucket)
     push(ckpt, remote, keep=3)
     # Smaller than model.pt: each of the next two connections dies half-way through a response body.
-    fault_proxy.reset_after(100_000, times=2)
+    fault_proxy.reset_after(100_000, times=2, graceful=graceful)
 
     pulled = pull_newest(remote, tmp_path / "restore")
 
