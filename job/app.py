@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from job.spot import SpotWatcher
 from job.storage import RemoteConfig, RemoteStore
 from state import State, TimeUnit
 from uploader import local
+from uploader.local import LocalCheckpoint
 from uploader.manifest import Manifest
 
 logger = logging.getLogger(__name__)
@@ -144,9 +146,12 @@ class SpotHandler:
         return notice is not None
 
 
-def choose(cfg: CheckpointConfig, checkpointer: Checkpointer,
-           store: RemoteStore | None) -> tuple[Path, Manifest, str] | None:
-    """The checkpoint to resume from (rank 0 only): --resume PATH, or the newest of local and remote."""
+def choose(cfg: CheckpointConfig, checkpointer: Checkpointer, store: RemoteStore | None,
+           pulling: Future[LocalCheckpoint | None] | None = None) -> tuple[Path, Manifest, str] | None:
+    """The checkpoint to resume from (rank 0 only): --resume PATH, or the newest of local and remote.
+
+    ``pulling`` is the remote pull started before the model was built (RemoteStore.start_pull).
+    """
     if cfg.resume == "never":
         if local.list_committed(cfg.folder):
             logger.warning("--resume never: ignoring the checkpoints already in %s", cfg.folder)
@@ -154,7 +159,10 @@ def choose(cfg: CheckpointConfig, checkpointer: Checkpointer,
     if cfg.resume != "auto":
         folder, manifest = open_checkpoint(Path(cfg.resume))
         return folder, manifest, str(folder)
-    pulled = store.pull_if_newer(cfg.folder) if store is not None else None
+    if pulling is not None:
+        pulled = pulling.result()
+    else:
+        pulled = store.pull_if_newer(cfg.folder) if store is not None else None
     if store is not None and pulled is not None:
         # Verified byte for byte while it streamed to disk: hashing it again would only delay the resume.
         return pulled.path, pulled.manifest(), store.describe(pulled)
@@ -166,14 +174,15 @@ def choose(cfg: CheckpointConfig, checkpointer: Checkpointer,
 
 
 def resume(state: State, cfg: CheckpointConfig, checkpointer: Checkpointer, meta: dict[str, Any],
-           store: RemoteStore | None, mesh: DeviceMesh | None = None) -> bool:
+           store: RemoteStore | None, mesh: DeviceMesh | None = None,
+           pulling: Future[LocalCheckpoint | None] | None = None) -> bool:
     """Rank 0 chooses and reads the checkpoint; every rank loads the same one (its own RNG and metrics).
 
     A sharded checkpoint is not read by rank 0: each rank reads its own shard from the chosen folder.
     """
     loaded: tuple[str, Any, str] | None = None
     if distributed.rank() == 0:
-        chosen = choose(cfg, checkpointer, store)
+        chosen = choose(cfg, checkpointer, store, pulling)
         if chosen is not None:
             folder, manifest, source = chosen
             check_settings(manifest, meta)
@@ -234,22 +243,25 @@ def _mark_failed(folder: Path) -> None:
 def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig | None = None,
           stop: StopRequest | None = None, spot: SpotWatcher | None = None) -> Outcome:
     """Train to max_duration, or until ``stop`` is requested; always ending on a committed checkpoint."""
-    run = build(cfg)
-    state = run.state
-    if cfg.max_duration.unit == TimeUnit.TOKEN and not hasattr(unwrap(state.model), "num_tokens"):
-        raise ConfigError(f"--max-duration {cfg.max_duration} counts tokens, but --model {cfg.model!r} has no num_tokens(batch)")
     stop = stop or StopRequest(grace_period=float("inf"))
-    meta = run_meta(cfg)
     leader = distributed.rank() == 0
     store = RemoteStore(remote_cfg) if leader and remote_cfg is not None and remote_cfg.url else None
+    # The newest remote checkpoint downloads while the model is built: a resume waits for the larger one.
+    pulling = store.start_pull(ckpt_cfg.folder) if store is not None and ckpt_cfg.resume == "auto" else None
     checkpointer: Checkpointer | None = None
     try:
+        run = build(cfg)
+        state = run.state
+        if cfg.max_duration.unit == TimeUnit.TOKEN and not hasattr(unwrap(state.model), "num_tokens"):
+            raise ConfigError(f"--max-duration {cfg.max_duration} counts tokens, but --model {cfg.model!r} "
+                              "has no num_tokens(batch)")
+        meta = run_meta(cfg)
         checkpointer = Checkpointer(ckpt_cfg.folder, ckpt_cfg.keep, meta,
                                     protect=store.pending if store is not None else None,
                                     on_commit=store.submit if store is not None else None,
                                     pin_memory=cfg.device == "cuda", sharded=cfg.sharded)
         cadence = CheckpointCadence(checkpointer, ckpt_cfg)
-        if resume(state, ckpt_cfg, checkpointer, meta, store, run.mesh):
+        if resume(state, ckpt_cfg, checkpointer, meta, store, run.mesh, pulling):
             cadence.last_step = state.timer.batch.value
         if leader:
             local.clear_finished(ckpt_cfg.folder)

@@ -244,8 +244,11 @@ def load_state_file(folder: Path) -> dict[str, Any]:
 
 
 def _load(path: Path) -> dict[str, Any]:
+    """``mmap=True``: tensors map the file's pages (already in the page cache after a write or a pull)
+    instead of being read into fresh memory; load_state_dict then copies each once into the model.
+    Committed files are never modified in place (only deleted), so the mapping stays valid."""
     try:
-        loaded = torch.load(path, map_location="cpu", weights_only=True)
+        loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointLoadError(

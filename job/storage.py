@@ -7,6 +7,8 @@ writes locally and marks the folder finished; ``uploader watch`` in another cont
 from __future__ import annotations
 
 import logging
+import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +44,8 @@ class RemoteStore:
         self.url = cfg.url
         self.remote: Remote = open_remote(cfg.url, cfg.upload)
         self.uploader = BackgroundUploader(self.remote, cfg.upload.keep) if cfg.mode == "inprocess" else None
+        self._pull: threading.Thread | None = None
+        self._abort_pull = threading.Event()
 
     def pull_if_newer(self, folder: Path) -> LocalCheckpoint | None:
         """Download the newest complete remote checkpoint when it is newer than every local one.
@@ -54,9 +58,24 @@ class RemoteStore:
         local_step = local[-1].step if local else -1
         if newest is None or newest[0] <= local_step:
             return None
-        pulled = pull_newest(self.remote, folder)
+        pulled = pull_newest(self.remote, folder, abort=self._abort_pull)
         if pulled is None or pulled.step <= local_step:
             return None
+        return pulled
+
+    def start_pull(self, folder: Path) -> Future[LocalCheckpoint | None]:
+        """:meth:`pull_if_newer` in a thread, so the download overlaps building the model; ``result()``
+        re-raises its errors (AuthError, BucketNotFound) where the caller is ready for them."""
+        pulled: Future[LocalCheckpoint | None] = Future()
+
+        def run() -> None:
+            try:
+                pulled.set_result(self.pull_if_newer(folder))
+            except BaseException as e:  # noqa: BLE001 - handed over through the future
+                pulled.set_exception(e)
+
+        self._pull = threading.Thread(target=run, name="resume-pull", daemon=True)
+        self._pull.start()
         return pulled
 
     def submit(self, ckpt: LocalCheckpoint) -> None:
@@ -78,6 +97,9 @@ class RemoteStore:
         return True if self.uploader is None else self.uploader.wait(timeout)
 
     def close(self, timeout: float | None = None) -> bool:
+        if self._pull is not None:  # a start-up that failed before using its pull: stop it, leave nothing running
+            self._abort_pull.set()
+            self._pull.join()
         ok = True if self.uploader is None else self.uploader.close(timeout)
         self.remote.close()
         return ok

@@ -127,3 +127,15 @@ def test_open_checkpoint_refuses_a_non_checkpoint(tmp_path):
         open_checkpoint(tmp_path / "empty")
     with pytest.raises(CheckpointLoadError, match="not a checkpoint folder"):
         open_checkpoint(tmp_path / "nope")
+
+
+def test_training_on_from_a_loaded_checkpoint_never_changes_its_file(tiny_config, saved):
+    """Checkpoints load memory-mapped: the resumed optimizer's state starts out as the file's pages,
+    and the steps after the resume must write to private copies, never to the checkpoint."""
+    _, folder = saved
+    newest = folder / local.checkpoint_name(40)
+    before = sha256_file(newest / STATE_FILE)
+    keep_all = ckpt_config(folder, interval="1000ba", keep=100)
+    assert train_state(tiny_config(max_duration="55ba"), keep_all).timer.batch.value == 55
+    assert sha256_file(newest / STATE_FILE) == before
+    Manifest.read(newest).verify(newest)
