@@ -263,6 +263,8 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
         cadence = CheckpointCadence(checkpointer, ckpt_cfg)
         if resume(state, ckpt_cfg, checkpointer, meta, store, run.mesh, pulling):
             cadence.last_step = state.timer.batch.value
+        if ckpt_cfg.async_save:
+            checkpointer.reserve(state)
         if leader:
             local.clear_finished(ckpt_cfg.folder)
         spot_handler = SpotHandler(spot, stop) if spot is not None else None
@@ -291,7 +293,7 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
         Trainer(run, cfg.eval_interval, cfg.log_interval, after_step=after_step, should_stop=should_stop).fit()
         if stop.requested:
             _stop_for_preemption(state, cadence, store, stop)
-            return Outcome(state, preempted=True, writing=checkpointer.in_flight())
+            return Outcome(state, preempted=True, writing=checkpointer.busy())
         cadence.save_durable(state)
         if store is not None:
             store.wait(None)

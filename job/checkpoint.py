@@ -60,10 +60,26 @@ class Checkpointer:
         self.last_write_seconds: float | None = None  # serialize + hash + fsync + commit of the last one
         self._snapshot = HostSnapshot(pin_memory)
         self._writer: threading.Thread | None = None
+        self._reserving: threading.Thread | None = None
         self._error: BaseException | None = None
 
     def in_flight(self) -> bool:
+        """A checkpoint is being written."""
         return self._writer is not None and self._writer.is_alive()
+
+    def busy(self) -> bool:
+        """A thread of ours is still working in torch: writing, or reserving the snapshot buffers."""
+        return any(t is not None and t.is_alive() for t in (self._writer, self._reserving))
+
+    def reserve(self, state: State) -> None:
+        """Allocate the snapshot buffers in the background now, so the first checkpoint stalls the loop
+        no longer than the ones after it. Rank 0 only: the other ranks never hold a snapshot."""
+        if self.sharded or distributed.rank() != 0:
+            return
+        specs = self._snapshot.specs(state.state_dict())
+        self._reserving = threading.Thread(target=self._snapshot.reserve, args=(specs,),
+                                           name="checkpoint-reserve", daemon=True)
+        self._reserving.start()
 
     def save_async(self, state: State) -> bool:
         """Snapshot ``state`` and write it in the background; False (nothing done) while one is in flight."""
@@ -78,6 +94,7 @@ class Checkpointer:
         tree = distributed.gather_per_rank(state.state_dict())
         if distributed.rank() != 0:  # rank 0 writes the replicated state, with every rank's own part
             return True
+        self._reserved()
         tree, ready = self._snapshot.capture(tree)
         step, timer = state.timer.batch.value, state.timer.state_dict()
         self.last_stall_seconds = time.perf_counter() - started
@@ -133,8 +150,19 @@ class Checkpointer:
                             timer=state.timer.state_dict(), meta={**self.meta, "sharded": True})
         return self._commit(staging, manifest, time.perf_counter())
 
+    def _reserved(self) -> None:
+        """The buffers are the snapshot's again: a capture never races the reservation."""
+        if self._reserving is not None:
+            self._reserving.join()
+            self._reserving = None
+
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the checkpoint in flight; re-raise its failure here, in the training thread."""
+        if self._reserving is not None:
+            self._reserving.join(timeout)
+            if self._reserving.is_alive():
+                return False
+            self._reserving = None
         if self._writer is not None:
             self._writer.join(timeout)
             if self._writer.is_alive():

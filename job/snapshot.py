@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 Path_ = tuple[Any, ...]
+TensorSpec = tuple[Path_, torch.Size, torch.dtype, bool]  # path in the tree, shape, dtype, pinned
 _SCALARS = (int, float, bool, str, bytes, type(None))
 
 
@@ -22,6 +23,36 @@ class HostSnapshot:
         self.pin_memory = pin_memory and torch.cuda.is_available()
         self._buffers: dict[Path_, torch.Tensor] = {}
         self.bytes = 0
+
+    def reserve(self, specs: list[TensorSpec]) -> None:
+        """Allocate and touch the buffers ahead of the first capture (from a background thread).
+
+        Otherwise the first checkpoint pays for fresh host memory (or pinning) inside the training
+        loop: 1.7 s for 1 GB on the benchmark VM, 27 times the stall of the ones after it.
+        """
+        for path, shape, dtype, pinned in specs:
+            buf = self._buffers.get(path)
+            if buf is None or buf.shape != shape or buf.dtype != dtype:
+                buf = torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pinned)
+                buf.zero_()  # touch every page now
+                self._buffers[path] = buf
+
+    def specs(self, tree: Any) -> list[TensorSpec]:
+        """What :meth:`reserve` needs to know of ``tree``'s tensors (read in the training thread)."""
+        found: list[TensorSpec] = []
+
+        def walk(node: Any, path: Path_) -> None:
+            if isinstance(node, torch.Tensor):
+                found.append((path, node.shape, node.dtype, self.pin_memory and node.device.type == "cuda"))
+            elif isinstance(node, dict):
+                for k, v in node.items():
+                    walk(v, (*path, k))
+            elif isinstance(node, (list, tuple)):
+                for i, v in enumerate(node):
+                    walk(v, (*path, i))
+
+        walk(tree, ())
+        return found
 
     def capture(self, tree: Any) -> tuple[Any, torch.cuda.Event | None]:
         """Copy every tensor of ``tree`` into this snapshot's buffers; returns the copied tree.

@@ -88,6 +88,20 @@ def test_snapshot_buffers_are_reused_between_checkpoints(run):
     assert all(first[k] is not v for k, v in run.state.model.state_dict().items())
 
 
+def test_checkpointer_reserves_in_the_background_and_the_first_save_uses_it(run, tmp_path):
+    ckpt = Checkpointer(tmp_path, keep=3, meta={})
+    ckpt.reserve(run.state)
+    assert ckpt.wait(30)  # the reservation is joined like a write in flight
+    reserved = [b.data_ptr() for b in ckpt._snapshot._buffers.values()]
+    assert len(reserved) == len(HostSnapshot().specs(run.state.state_dict())) > 0
+    assert ckpt.save_async(run.state) is True
+    assert ckpt.wait(30)
+    assert [b.data_ptr() for b in ckpt._snapshot._buffers.values()] == reserved
+    saved = load_state_file(local.list_committed(tmp_path)[-1].path)["model"]
+    for name, tensor in run.state.model.state_dict().items():
+        assert torch.equal(saved[name], tensor), name
+
+
 def test_snapshot_keeps_every_non_tensor_leaf_exactly(run):
     tree = run.state.state_dict()
     copied, _ = HostSnapshot().capture(tree)
