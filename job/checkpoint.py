@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 STATE_FILE = "state.pt"
 # Settings that change the training result: resuming with other values cannot be bit-exact.
 RESULT_SETTINGS = ("model", "data", "batch_size", "seed", "grad_accum", "world_size")
+WRITER_NICE = 10  # how much nicer the background writer is than the training thread
 
 
 class Checkpointer:
@@ -190,6 +191,7 @@ class Checkpointer:
             raise error
 
     def _write_in_background(self, tree: Any, ready: Any, step: int, timer: dict[str, int]) -> None:
+        _yield_cpu_to_training()
         try:
             if ready is not None:
                 ready.synchronize()
@@ -233,6 +235,17 @@ class Checkpointer:
     def newest(self) -> tuple[local.LocalCheckpoint, Manifest] | None:
         local.clean_staging(self.folder)
         return local.newest_verified(self.folder)
+
+
+def _yield_cpu_to_training() -> None:
+    """Lower this thread's CPU priority: a background write must take the cores training leaves idle,
+    not share them half and half with the training thread (its serialization, sha256 and copies into
+    the page cache are CPU work). On Linux a nice value is per thread (setpriority on the thread id)."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + WRITER_NICE))
+    except (AttributeError, OSError):  # not Linux, or not allowed: the write just competes as before
+        logger.debug("cannot lower the checkpoint writer's priority", exc_info=True)
 
 
 def _save(tree: Any, writer: HashingWriter) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import errno
+import os
 import threading
 import time
 
@@ -10,12 +11,13 @@ import torch
 
 from job.app import train
 from job.build import build
-from job.checkpoint import Checkpointer, load_state_file
+from job.checkpoint import WRITER_NICE, Checkpointer, load_state_file
 from job.exceptions import CheckpointWriteError
 from job.signals import StopRequest
 from job.snapshot import HostSnapshot
 from state import State
 from tests.support.jobs import ckpt_config, train_config
+from tests.support.polling import wait_until
 from uploader import local
 
 
@@ -136,3 +138,18 @@ def test_a_failing_loop_lets_the_checkpoint_in_flight_finish_before_it_raises(tm
         train(train_config(), ckpt_config(tmp_path, interval="10ba"), stop=FailAtStep(11))
     assert not [t.name for t in threading.enumerate() if t.name.startswith("checkpoint-")]
     assert [c.step for c in local.list_committed(tmp_path)] == [10]
+
+
+def test_the_background_writer_yields_the_cpu_to_training(run, tmp_path, gate):
+    ckpt = Checkpointer(tmp_path, keep=3, meta={})
+    main_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert ckpt.save_async(run.state) is True  # held in commit: the writer thread is alive
+    writer = ckpt._writer
+    assert writer is not None and writer.native_id is not None
+    try:
+        wait_until(lambda: os.getpriority(os.PRIO_PROCESS, writer.native_id) == main_nice + WRITER_NICE,
+                   what="the writer thread's nice value")
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main_nice  # training's is unchanged
+    finally:
+        gate.set()
+    assert ckpt.wait(30)
