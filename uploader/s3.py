@@ -457,6 +457,10 @@ def _stream_into(body: Any, fd: int, offset: int, length: int, chunk: bytearray,
         with write_lock:
             pwrite_all(fd, want[:n], offset + done)
         done += n
+    if readinto is not None and raw.isclosed():
+        # Read to its end past urllib3, which therefore does not know it can reuse the connection:
+        # hand it back to the pool, as urllib3's own read does, instead of closing it with the body.
+        body._raw_stream.release_conn()
 
 
 def _read_local(path: Path) -> bytes:

@@ -121,3 +121,17 @@ def test_permanent_errors_fail_fast_with_one_clear_line(
     assert "Traceback" not in result.stderr and credentials.secret_key not in result.stderr
     assert fault_proxy.counters.requests <= max_requests, fault_proxy.counters.request_lines
     assert elapsed < 20  # no retry storm: seconds, not the minutes a retry budget would take
+
+
+def test_a_ranged_download_reuses_its_connections(fault_proxy: FaultProxy, s3_bucket: Bucket, tmp_path: Path) -> None:
+    """Each range is streamed past urllib3 straight into the file; the connection must still go back
+    to the pool (on real S3 every new one is a TLS handshake), not be closed after every range."""
+    ckpt = make_checkpoint(tmp_path / "local", 10, {"big.bin": 12 * MiB})
+    remote = via(fault_proxy, s3_bucket, part_size=5 * MiB, concurrency=1)
+    push(ckpt, remote, keep=3)
+    before = fault_proxy.counters.connections
+    pulled = pull_newest(remote, tmp_path / "restore")
+    assert pulled is not None and data_files_of(pulled.path) == data_files_of(ckpt.path)
+    gets = [line for line in fault_proxy.counters.request_lines if line.startswith("GET") and "big.bin" in line]
+    assert len(gets) >= 3  # three ranges of 5, 5 and 2 MiB
+    assert fault_proxy.counters.connections - before <= 1  # one window slot: one connection for every request
