@@ -213,11 +213,16 @@ def _stop_for_preemption(state: State, cadence: CheckpointCadence, store: Remote
     # Rank 0's clock decides for all ranks: the save is a collective.
     if distributed.broadcast_choice(not cadence.saved_now(state) and stop.time_left() < needed):
         cadence.checkpointer.wait(max(stop.time_left() - EXIT_MARGIN_SECONDS, 0.0))
+        durable = False
+    elif cadence.saved_now(state):  # this step's checkpoint is taken already: it has only to finish, in time
+        durable = cadence.checkpointer.wait(max(stop.time_left() - EXIT_MARGIN_SECONDS, 0.0))
+    else:
+        cadence.save_durable(state)
+        durable = True
+    if not durable:
         event(logger, "grace_too_short", level=logging.WARNING, step=step, seconds_left=round(stop.time_left(), 1),
               seconds_needed=round(needed, 1), kept_step=cadence.kept_step(),
               message="no time for a final checkpoint; exiting before the kill with the previous one")
-    else:
-        cadence.save_durable(state)
     kept = cadence.kept_step()
     uploaded = True
     if store is not None and kept is not None:

@@ -153,3 +153,34 @@ def test_the_background_writer_yields_the_cpu_to_training(run, tmp_path, gate):
     finally:
         gate.set()
     assert ckpt.wait(30)
+
+
+class StopNowAt(StopRequest):
+    """A SIGTERM with no grace period left at all, arriving at ``step``."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(grace_period=0.0)
+        self.step = step
+
+    def should_stop(self, state: object = None) -> bool:
+        if isinstance(state, State) and state.timer.batch.value >= self.step and not self.requested:
+            self.request(f"test stop at step {self.step}")
+        return self.requested
+
+
+def test_a_stop_at_the_step_of_a_checkpoint_in_flight_waits_no_longer_than_the_grace(tmp_path, monkeypatch):
+    """The step's checkpoint was taken just before the stop: finishing it is the best end, but only
+    within the grace period; past it the job must leave (and say so) rather than be killed mid-write."""
+    real = local.commit
+
+    def slow_commit(staging, manifest):
+        time.sleep(1.0)
+        return real(staging, manifest)
+
+    monkeypatch.setattr(local, "commit", slow_commit)
+    outcome = train(train_config(), ckpt_config(tmp_path, interval="10ba"), stop=StopNowAt(10))
+    assert outcome.preempted and outcome.state.timer.batch.value == 10
+    assert outcome.writing  # left in flight, not waited for
+    assert local.read_finished(tmp_path) is None  # nothing durable to point a sidecar at
+    wait_until(lambda: local.list_committed(tmp_path), what="the abandoned write to finish on its own")
+    assert [c.step for c in local.list_committed(tmp_path)] == [10]
