@@ -6,6 +6,7 @@ stop request, spot notices) and owns only the order of events.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -205,6 +206,13 @@ def resume(state: State, cfg: CheckpointConfig, checkpointer: Checkpointer, meta
     return True
 
 
+def _until_exit(stop: StopRequest) -> float | None:
+    """Seconds our waits may take before the kill; None (no limit) without a deadline, since the
+    thread and lock waits below refuse an infinite timeout."""
+    left = stop.time_left() - EXIT_MARGIN_SECONDS
+    return None if math.isinf(left) else max(left, 0.0)
+
+
 def _stop_for_preemption(state: State, cadence: CheckpointCadence, store: RemoteStore | None,
                          stop: StopRequest) -> None:
     """Within the grace period: a final checkpoint, its upload, and a clear account of what was kept."""
@@ -212,10 +220,10 @@ def _stop_for_preemption(state: State, cadence: CheckpointCadence, store: Remote
     needed = cadence.estimate_seconds(state) * 1.5 + EXIT_MARGIN_SECONDS
     # Rank 0's clock decides for all ranks: the save is a collective.
     if distributed.broadcast_choice(not cadence.saved_now(state) and stop.time_left() < needed):
-        cadence.checkpointer.wait(max(stop.time_left() - EXIT_MARGIN_SECONDS, 0.0))
+        cadence.checkpointer.wait(_until_exit(stop))
         durable = False
     elif cadence.saved_now(state):  # this step's checkpoint is taken already: it has only to finish, in time
-        durable = cadence.checkpointer.wait(max(stop.time_left() - EXIT_MARGIN_SECONDS, 0.0))
+        durable = cadence.checkpointer.wait(_until_exit(stop))
     else:
         cadence.save_durable(state)
         durable = True
@@ -226,7 +234,7 @@ def _stop_for_preemption(state: State, cadence: CheckpointCadence, store: Remote
     kept = cadence.kept_step()
     uploaded = True
     if store is not None and kept is not None:
-        uploaded = store.wait(max(stop.time_left() - EXIT_MARGIN_SECONDS, 0.0))
+        uploaded = store.wait(_until_exit(stop))
         if not uploaded:
             logger.warning("the final checkpoint did not finish uploading within the grace period; it stays in "
                            "%s for a sidecar or the next start", cadence.checkpointer.folder)
@@ -310,7 +318,7 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
         return Outcome(state, preempted=False)
     except Exception:
         if checkpointer is not None:  # a failure in the loop can find a checkpoint being written
-            checkpointer.close(timeout=max(stop.time_left() - EXIT_MARGIN_SECONDS, 0.0) if stop.requested else None)
+            checkpointer.close(timeout=_until_exit(stop))
         if distributed.node_leader():
             _mark_failed(ckpt_cfg.folder)
         raise
