@@ -16,7 +16,7 @@ from job.exceptions import CheckpointWriteError
 from job.signals import StopRequest
 from job.snapshot import HostSnapshot
 from state import State
-from tests.support.jobs import ckpt_config, train_config
+from tests.support.jobs import StopAtStep, ckpt_config, train_config
 from tests.support.polling import wait_until
 from uploader import local
 
@@ -155,19 +155,6 @@ def test_the_background_writer_yields_the_cpu_to_training(run, tmp_path, gate):
     assert ckpt.wait(30)
 
 
-class StopNowAt(StopRequest):
-    """A SIGTERM with no grace period left at all, arriving at ``step``."""
-
-    def __init__(self, step: int) -> None:
-        super().__init__(grace_period=0.0)
-        self.step = step
-
-    def should_stop(self, state: object = None) -> bool:
-        if isinstance(state, State) and state.timer.batch.value >= self.step and not self.requested:
-            self.request(f"test stop at step {self.step}")
-        return self.requested
-
-
 def test_a_stop_at_the_step_of_a_checkpoint_in_flight_waits_no_longer_than_the_grace(tmp_path, monkeypatch):
     """The step's checkpoint was taken just before the stop: finishing it is the best end, but only
     within the grace period; past it the job must leave (and say so) rather than be killed mid-write."""
@@ -178,7 +165,7 @@ def test_a_stop_at_the_step_of_a_checkpoint_in_flight_waits_no_longer_than_the_g
         return real(staging, manifest)
 
     monkeypatch.setattr(local, "commit", slow_commit)
-    outcome = train(train_config(), ckpt_config(tmp_path, interval="10ba"), stop=StopNowAt(10))
+    outcome = train(train_config(), ckpt_config(tmp_path, interval="10ba"), stop=StopAtStep(10, grace_period=0.0))  # a SIGTERM with no grace left
     assert outcome.preempted and outcome.state.timer.batch.value == 10
     assert outcome.writing  # left in flight, not waited for
     assert local.read_finished(tmp_path) is None  # nothing durable to point a sidecar at

@@ -93,8 +93,8 @@ def inspect(path: Path) -> dict[str, Any]:
 class StopAtStep(StopRequest):
     """A stop request that fires once training reaches ``step``, as a SIGTERM there would."""
 
-    def __init__(self, step: int) -> None:
-        super().__init__(grace_period=float("inf"))
+    def __init__(self, step: int, grace_period: float = float("inf")) -> None:
+        super().__init__(grace_period=grace_period)
         self.step = step
 
     def should_stop(self, state: object = None) -> bool:
