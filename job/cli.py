@@ -6,9 +6,11 @@ and exit with the code documented in :mod:`job.exceptions`.
 """
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -93,6 +95,18 @@ def cli() -> None:
     """spot-trainer: PyTorch training that survives preemption."""
 
 
+def _dump_stacks_on_sigusr1() -> None:
+    """A job that seems stuck (a collective no peer enters, a hung mount) shows where on `kill -USR1`.
+
+    faulthandler writes from a signal handler, so it needs a real file descriptor: the process's own
+    stderr, even where sys.stderr was replaced (click's test runner, an embedding program)."""
+    stream = sys.__stderr__
+    try:
+        faulthandler.register(signal.SIGUSR1, file=stream if stream is not None else sys.stderr, all_threads=True)
+    except (AttributeError, ValueError, OSError) as e:  # no stderr descriptor at all: nothing to print to
+        logger.debug("no stack dumps on SIGUSR1: %s", e)
+
+
 @cli.command()
 @option("--model", default="mlp", help="Built-in model (mlp, mlp-large) or pkg.module:function returning an nn.Module.")
 @option("--data", default="spirals", help="Built-in data (spirals) or pkg.module:function(split) returning a Dataset.")
@@ -139,6 +153,7 @@ def train(**o: Any) -> None:
     dist_cfg = torchrun_env()
     # Under torchrun only rank 0 tells the story; the other ranks speak up for warnings and errors.
     setup_logging(o["log_format"], o["log_level"] if dist_cfg.rank == 0 else "warning")
+    _dump_stacks_on_sigusr1()
     if dist_cfg.enabled and o["eval_interval"].seconds is not None:
         raise ConfigError("--eval-interval in seconds cannot be used with torchrun (ranks must evaluate at the "
                           "same step); use ba or ep")

@@ -134,3 +134,13 @@ def test_notice_with_a_near_deadline_stops_by_itself(spawn, tmp_path, provider):
     preempted = proc.wait_event("preempted")
     assert preempted["checkpoint_step"] == preempted["step"]
     assert "spot notice" in preempted["reason"]
+
+
+def test_sigusr1_prints_every_threads_stack_and_training_goes_on(spawn, tmp_path):
+    folder = tmp_path / "ck"
+    proc = spawn("train", *ARGS, "--max-duration", "200ba", "--save-folder", str(folder), "--save-interval", "50ba")
+    _started(proc)
+    proc.dump_stacks()  # what the test harness does to a job that outlives its timeout
+    assert proc.wait() == 0, proc.stderr
+    assert "Current thread" in proc.stderr and 'File "' in proc.stderr
+    assert inspect(folder)["step"] == 200

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -17,6 +18,7 @@ from job.config import CheckpointConfig, TrainConfig
 from job.schedule import Interval
 from job.signals import StopRequest
 from state import Precision, State, Time
+from tests.support.procs import descendants
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -112,6 +114,12 @@ def train_state(cfg: TrainConfig, ckpt: CheckpointConfig, stop_at: int | None = 
     return outcome.state
 
 
+def _runs_job(argv: list[bytes]) -> bool:
+    """`python -m job ...` or the `job` console script (a torchrun launcher would die of SIGUSR1)."""
+    module = argv[argv.index(b"-m") + 1] if b"-m" in argv[:-1] else None
+    return module == b"job" or any(a.endswith(b"/job") for a in argv[:2])
+
+
 class JobProcess:
     """A `job` (or any) process whose JSON log lines are collected live, for signal and timing tests."""
 
@@ -156,9 +164,24 @@ class JobProcess:
         self.proc.send_signal(sig)
 
     def wait(self, timeout: float = 60.0) -> int:
-        code = self.proc.wait(timeout)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.dump_stacks()
+            raise AssertionError(f"still running after {timeout} s; log tail:\n" + self.stderr[-8000:]) from None
         self._close()
         return code
+
+    def dump_stacks(self) -> None:
+        """Every `job` process in the tree prints its threads' stacks to the log (SIGUSR1, faulthandler)."""
+        for pid in [self.proc.pid, *descendants(self.proc.pid)]:
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if _runs_job(argv):
+                os.kill(pid, signal.SIGUSR1)
+        time.sleep(2)
 
     def kill(self) -> None:
         if self.proc.poll() is None:
