@@ -3,10 +3,12 @@
 A diagnostic for bench/transfer.py's download ratio (BENCHMARKS.md, "transfer"). Arms, interleaved,
 all fetching the same object from the same SeaweedFS server with the same part size and window:
 
-* ``get_file``: ours as shipped: ranged GETs ``--concurrency`` at a time, each streamed from the
-  socket into its place in the file through a reused 1 MiB buffer, writeback started per range,
-  finished ranges sha256-hashed in order from the page cache, fsync at the end.
-* ``no_hash``: the same without the sha256 pass (and without its check).
+* ``get_file``: ours as shipped, on a format 2 file: ranged GETs ``--concurrency`` at a time, each
+  streamed from the socket into its place in the file through a reused 1 MiB buffer and block-hashed
+  by its own thread on the way, writeback started per range, fsync at the end.
+* ``get_file_v1``: the same object as a format 1 entry (plain sha256): finished ranges are hashed in
+  order from the page cache, on one thread.
+* ``no_hash``: format 1's path without its sha256 pass (and without its check).
 * ``net_write``: receive and write only: no sha256, no writeback hint, no fsync.
 * ``net_only``: receive only, the bytes discarded: the network + server floor of our client.
 * ``s5cmd`` and ``s5cmd+fsync``: the reference, without and with the durability we pay for.
@@ -30,7 +32,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as `python bench/download_breakdown.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from uploader.hashing import fsync_path
+from uploader.hashing import fsync_path, sha256_file
 from bench.common import (MB, MiB, interleaved, median, parser, print_machine, progress,
                           random_checkpoint, s3_bucket, scratch, venv_binary)
 
@@ -68,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         config = UploadConfig(endpoint_url=bucket.endpoint_url, addressing="path", part_size=args.part_size * MiB,
                               concurrency=args.concurrency)
         ckpt = random_checkpoint(workdir / "local", step=1, files={FILE: size})
-        sha256 = ckpt.manifest().files[0].sha256
+        entry = ckpt.manifest().files[0]
+        plain_sha256 = sha256_file(ckpt.path / FILE)[1]  # the same file's format 1 digest
         remote = open_remote(bucket.url("seed"), config)
         push(ckpt, remote, keep=1)
         key = f"{ckpt.name}/{FILE}"
@@ -79,7 +82,13 @@ def main(argv: list[str] | None = None) -> int:
         skip = lambda *_: None  # noqa: E731
         no_hash_sha = hashlib.sha256().hexdigest()
 
-        def ours(*off: str) -> Any:
+        def ours(*off: str, block_size: int | None = entry.block_size) -> Any:
+            # Arms without hashing take format 1's path with its in-order hash skipped (format 2
+            # hashes inside the stream, where it cannot be switched off separately).
+            if "hash_range" in off:
+                block_size, sha256 = None, no_hash_sha
+            else:
+                sha256 = entry.sha256 if block_size is not None else plain_sha256
             def fetch() -> None:
                 for name, fn in shipped.items():
                     setattr(s3, name, skip if name in off else fn)
@@ -87,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                 if "fsync" in off:
                     s3.os.fsync = skip
                 try:
-                    remote.get_file(key, out, size=size, sha256=no_hash_sha if "hash_range" in off else sha256)
+                    remote.get_file(key, out, size=size, sha256=sha256, block_size=block_size)
                 finally:
                     s3.os.fsync = fsync
                     for name, fn in shipped.items():
@@ -109,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                     out.unlink(missing_ok=True)
             return measured
 
-        arms = {"get_file": ours(), "no_hash": ours("hash_range"),
+        arms = {"get_file": ours(), "get_file_v1": ours(block_size=None), "no_hash": ours("hash_range"),
                 "net_write": ours("hash_range", "start_writeback", "fsync"),
                 "net_only": ours("hash_range", "start_writeback", "fsync", "pwrite_all"),
                 "s5cmd": s5cmd, "s5cmd+fsync": s5cmd_fsync}

@@ -128,14 +128,14 @@ class Checkpointer:
             staging.mkdir(parents=True)
         distributed.barrier()
         name = sharded.shard_name(rank, world)
-        result: tuple[str, int, str] | tuple[str, str]
+        result: tuple[str, int, str, int | None] | tuple[str, str]
         try:
             with open(staging / name, "wb") as raw:
                 writer = HashingWriter(raw)
                 _save(sharded.encode(state.state_dict()), writer)
                 raw.flush()
                 os.fsync(raw.fileno())
-            result = (name, writer.size, writer.hexdigest())
+            result = (name, writer.size, writer.hexdigest(), writer.block_size)
         except OSError as e:
             result = ("error", f"rank {rank}: {e.strerror or e}")
         results = distributed.all_gather(result)
@@ -147,7 +147,7 @@ class Checkpointer:
                                        "free disk space or fix permissions (the previous checkpoint is untouched)")
         if rank != 0:
             return None
-        manifest = Manifest(step=step, files=tuple(FileEntry(n, int(size), str(sha)) for n, size, sha in results),
+        manifest = Manifest(step=step, files=tuple(FileEntry(n, int(size), str(sha), block) for n, size, sha, block in results),
                             timer=state.timer.state_dict(), meta={**self.meta, "sharded": True})
         return self._commit(staging, manifest, time.perf_counter())
 
@@ -210,7 +210,7 @@ class Checkpointer:
                 _save(tree, writer)
                 raw.flush()
                 os.fsync(raw.fileno())
-            manifest = Manifest(step=step, files=(FileEntry(STATE_FILE, writer.size, writer.hexdigest()),),
+            manifest = Manifest(step=step, files=(FileEntry(STATE_FILE, writer.size, writer.hexdigest(), writer.block_size),),
                                 timer=timer, meta=self.meta)
             return self._commit(staging, manifest, started)
         except OSError as e:

@@ -21,7 +21,7 @@ from typing import BinaryIO
 from urllib.parse import urlparse
 
 from uploader.exceptions import Aborted, BucketNotFound, CorruptCheckpoint, StorageError
-from uploader.hashing import CHUNK, fsync_path
+from uploader.hashing import CHUNK, StreamDigest, fsync_path
 from uploader.remote import ObjectInfo, OnBytes
 
 logger = logging.getLogger(__name__)
@@ -105,6 +105,7 @@ class FileRemote:
         *,
         size: int,
         sha256: str,
+        block_size: int | None = None,
         on_bytes: OnBytes | None = None,
         abort: threading.Event | None = None,
     ) -> None:
@@ -114,7 +115,7 @@ class FileRemote:
             except OSError as e:
                 raise CorruptCheckpoint(f"cannot read {path}: {e.strerror}") from None
             with src, open(tmp, "wb") as dst:
-                actual_size, actual_sha = _copy(src, dst, on_bytes, abort)
+                actual_size, actual_sha = _copy(src, dst, block_size, on_bytes, abort)
             if actual_size != size or actual_sha != sha256:
                 raise CorruptCheckpoint(f"{path} does not match its manifest (size or sha256); not uploading it")
             _set_sha256(tmp, sha256)
@@ -126,6 +127,7 @@ class FileRemote:
         *,
         size: int,
         sha256: str,
+        block_size: int | None = None,
         on_bytes: OnBytes | None = None,
         abort: threading.Event | None = None,
     ) -> None:
@@ -137,7 +139,7 @@ class FileRemote:
         except OSError as e:
             raise StorageError(f"cannot read {key} in {self.describe()}: {e.strerror}") from None
         with src, open(path, "wb") as dst:
-            actual_size, actual_sha = _copy(src, dst, on_bytes, abort)
+            actual_size, actual_sha = _copy(src, dst, block_size, on_bytes, abort)
         if actual_size != size:
             raise CorruptCheckpoint(f"{self.url}/{key} has {actual_size} bytes, the manifest says {size}")
         if actual_sha != sha256:
@@ -191,14 +193,15 @@ class FileRemote:
             tmp.unlink(missing_ok=True)
 
 
-def _copy(src: BinaryIO, dst: BinaryIO, on_bytes: OnBytes | None, abort: threading.Event | None) -> tuple[int, str]:
+def _copy(src: BinaryIO, dst: BinaryIO, block_size: int | None, on_bytes: OnBytes | None,
+          abort: threading.Event | None) -> tuple[int, str]:
     """Copy in large chunks, hashing on the way (each byte read once); fsync the destination."""
-    digest = hashlib.sha256()
+    digest = StreamDigest(block_size)
     size = 0
     while chunk := src.read(CHUNK):
         if abort is not None and abort.is_set():
             raise Aborted(f"copy to {dst.name} stopped on request")
-        digest.update(chunk)
+        digest.update(memoryview(chunk))
         dst.write(chunk)
         size += len(chunk)
         if on_bytes is not None:

@@ -1,4 +1,14 @@
-"""sha256 of files, computed while they are written or in one streaming read; writeback hints."""
+"""File digests, computed while files are written, sent or received, or in one read; writeback hints.
+
+Two digests exist, and a manifest entry says which one it holds by its ``block_size``:
+
+* ``block_size`` None (format 1): the sha256 of the file's bytes. One stream, in order: a transfer
+  must hash its parts one after the other, on one core.
+* ``block_size`` B (format 2, written by default): the sha256 of the concatenated sha256 digests of
+  the file's B-byte blocks (the last one may be shorter; an empty file has no blocks). Every block
+  can be hashed by whichever thread holds its bytes, so a transfer of eight ranges hashes on eight
+  threads, while the bytes are still in that thread's cache. (The idea of S3's composite checksums.)
+"""
 from __future__ import annotations
 
 import ctypes
@@ -6,12 +16,16 @@ import ctypes.util
 import hashlib
 import logging
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import BinaryIO, Callable
 
 logger = logging.getLogger(__name__)
 
 CHUNK = 8 * 1024 * 1024
+BLOCK_SIZE = 1024 * 1024  # format 2's block: transfers align their ranges and parts to it
+HASH_THREADS = 4  # file_digest's readers: hashlib releases the GIL on large buffers
 
 
 def sha256_file(path: Path) -> tuple[int, str]:
@@ -25,15 +39,143 @@ def sha256_file(path: Path) -> tuple[int, str]:
     return size, digest.hexdigest()
 
 
+def combine(block_digests: list[bytes]) -> str:
+    """The format 2 digest of a file from its blocks' sha256 digests, in order."""
+    return hashlib.sha256(b"".join(block_digests)).hexdigest()
+
+
+def block_count(size: int, block_size: int) -> int:
+    return -(-size // block_size)
+
+
+def align_up(n: int, block_size: int | None) -> int:
+    """``n`` rounded up to whole blocks, so that a range or part of that size holds whole blocks."""
+    return n if block_size is None else -(-n // block_size) * block_size
+
+
+def digest_bytes(data: bytes | memoryview, block_size: int | None) -> str:
+    if block_size is None:
+        return hashlib.sha256(data).hexdigest()
+    view = memoryview(data)
+    return combine([hashlib.sha256(view[i : i + block_size]).digest() for i in range(0, len(view), block_size)])
+
+
+def file_digest(path: Path, block_size: int | None, threads: int = HASH_THREADS) -> tuple[int, str]:
+    """Size and digest of a file; format 2 files are read and hashed ``threads`` blocks at a time."""
+    if block_size is None:
+        return sha256_file(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        blocks = BlockDigest(size, block_size)
+        per_thread = threading.local()
+        span = max(block_size, align_up(CHUNK, block_size))  # each task reads a few MiB, whole blocks
+
+        def hash_span(offset: int) -> None:
+            if not hasattr(per_thread, "buffer"):
+                per_thread.buffer = bytearray(min(CHUNK, block_size))
+            hash_range(blocks.at(offset), fd, offset, min(span, size - offset), per_thread.buffer)
+
+        with ThreadPoolExecutor(max(1, threads), thread_name_prefix="file-digest") as pool:
+            list(pool.map(hash_span, range(0, size, span)))
+        return size, blocks.hexdigest()
+    finally:
+        os.close(fd)
+
+
+class BlockDigest:
+    """The format 2 digest of a file of known size, fed range by range from any number of threads.
+
+    ``at(offset)`` (a block boundary) gives a feeder for the bytes from there on; each block's digest
+    is kept as soon as its last byte arrives. A retried range simply asks for a new feeder.
+    """
+
+    def __init__(self, size: int, block_size: int) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, not {block_size}")
+        self.size = size
+        self.block_size = block_size
+        self._blocks: list[bytes | None] = [None] * block_count(size, block_size)
+
+    def at(self, offset: int) -> RangeHasher:
+        if offset % self.block_size or not 0 <= offset <= self.size:
+            raise ValueError(f"offset {offset} is not a block boundary of a {self.size}-byte file")
+        return RangeHasher(self, offset)
+
+    def hexdigest(self) -> str:
+        missing = [i for i, d in enumerate(self._blocks) if d is None]
+        if missing:
+            raise ValueError(f"{len(missing)} block(s) never hashed, the first at byte {missing[0] * self.block_size}")
+        return combine(self._blocks)  # type: ignore[arg-type]
+
+    def _done(self, index: int, digest: bytes) -> None:
+        self._blocks[index] = digest  # one slot per block: no lock needed
+
+
+class RangeHasher:
+    """Hashes consecutive bytes from a block boundary on, in any chunk sizes (one thread)."""
+
+    def __init__(self, parent: BlockDigest, offset: int) -> None:
+        self._parent = parent
+        self._index = offset // parent.block_size
+        self._hash = hashlib.sha256()
+        self._filled = 0
+
+    def update(self, data: bytes | bytearray | memoryview) -> None:
+        view = memoryview(data)
+        parent = self._parent
+        while view.nbytes:
+            if self._index >= len(parent._blocks):
+                raise ValueError("more bytes than the file holds")
+            block_len = min(parent.block_size, parent.size - self._index * parent.block_size)
+            take = min(view.nbytes, block_len - self._filled)
+            self._hash.update(view[:take])
+            self._filled += take
+            view = view[take:]
+            if self._filled == block_len:
+                parent._done(self._index, self._hash.digest())
+                self._index, self._hash, self._filled = self._index + 1, hashlib.sha256(), 0
+
+
+class StreamDigest:
+    """A digest of bytes arriving in order, of a size not known in advance (a file being written)."""
+
+    def __init__(self, block_size: int | None) -> None:
+        self.block_size = block_size
+        self._hash = hashlib.sha256()
+        self._filled = 0
+        self._blocks: list[bytes] = []
+
+    def update(self, view: memoryview) -> None:
+        if self.block_size is None:
+            self._hash.update(view)
+            return
+        while view.nbytes:
+            take = min(view.nbytes, self.block_size - self._filled)
+            self._hash.update(view[:take])
+            self._filled += take
+            view = view[take:]
+            if self._filled == self.block_size:
+                self._blocks.append(self._hash.digest())
+                self._hash, self._filled = hashlib.sha256(), 0
+
+    def hexdigest(self) -> str:
+        if self.block_size is None:
+            return self._hash.hexdigest()
+        return combine(self._blocks + ([self._hash.digest()] if self._filled else []))
+
+
 class HashingWriter:
     """A write-only file wrapper that hashes bytes as they pass, so a file is never re-read to hash it.
 
-    torch.save accepts any object with write/flush; this one also counts the size.
+    torch.save accepts any object with write/flush; this one also counts the size. ``block_size``
+    chooses the digest (see the module docstring); format 2's is the default.
     """
 
-    def __init__(self, raw: BinaryIO) -> None:
+    def __init__(self, raw: BinaryIO, block_size: int | None = BLOCK_SIZE) -> None:
         self._raw = raw
-        self._digest = hashlib.sha256()
+        self._digest = StreamDigest(block_size)
+        self.block_size = block_size
         self.size = 0
         # The first write error, kept because some writers (torch.save's zip writer) replace it with
         # a RuntimeError while cleaning up, and the caller needs the real cause (ENOSPC, EFBIG, EIO).
@@ -41,6 +183,8 @@ class HashingWriter:
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
         view = memoryview(data)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
         try:
             written = self._raw.write(view)
         except OSError as e:
@@ -66,7 +210,7 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def hash_range(digest: "hashlib._Hash", fd: int, offset: int, length: int, buffer: bytearray) -> None:
+def hash_range(digest: "hashlib._Hash | RangeHasher", fd: int, offset: int, length: int, buffer: bytearray) -> None:
     """Feed ``length`` bytes of ``fd`` from ``offset`` into ``digest``, through one reused buffer.
 
     Reading back from the page cache costs a memory copy; a new buffer per range would cost fresh

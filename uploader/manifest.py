@@ -1,8 +1,15 @@
 """The manifest: the marker that makes a checkpoint count, written last.
 
 A checkpoint is a folder of data files plus ``manifest.json``. The manifest lists every file with its
-size and sha256, the training position, and ``format_version`` so that old checkpoints stay loadable.
+size and digest, the training position, and ``format_version`` so that old checkpoints stay loadable.
 Readers treat a folder (or a remote prefix) without a manifest as incomplete and never use it.
+
+Format versions (this build reads both, and writes 2):
+
+* 1: each file's ``sha256`` is the sha256 of its bytes.
+* 2: a file may also give ``block_size``; its ``sha256`` is then the sha256 of its blocks' sha256
+  digests (uploader.hashing), which transfers compute on all their threads at once. A format 2 entry
+  without ``block_size`` means what it meant in format 1.
 """
 from __future__ import annotations
 
@@ -13,11 +20,12 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from uploader.exceptions import CorruptCheckpoint, ManifestError
-from uploader.hashing import sha256_file
+from uploader.hashing import file_digest
 
 MANIFEST_NAME = "manifest.json"
-FORMAT_VERSION = 1
-SUPPORTED_FORMAT_VERSIONS = frozenset({1})
+FORMAT_VERSION = 2
+SUPPORTED_FORMAT_VERSIONS = frozenset({1, 2})
+BLOCK_SIZE_SINCE = 2  # the first format_version whose entries may carry block_size
 
 
 def safe_relpath(name: str) -> str:
@@ -39,6 +47,13 @@ class FileEntry:
     path: str
     size: int
     sha256: str
+    block_size: int | None = None  # None: a plain sha256 of the bytes; else see uploader.hashing
+
+    def to_doc(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {"path": self.path, "size": self.size, "sha256": self.sha256}
+        if self.block_size is not None:
+            doc["block_size"] = self.block_size
+        return doc
 
 
 @dataclass(frozen=True)
@@ -62,7 +77,7 @@ class Manifest:
             "step": self.step,
             "timer": self.timer,
             "created": self.created,
-            "files": [{"path": f.path, "size": f.size, "sha256": f.sha256} for f in self.files],
+            "files": [f.to_doc() for f in self.files],
             "meta": self.meta,
         }
         return json.dumps(doc, indent=1, sort_keys=True).encode()
@@ -76,14 +91,15 @@ class Manifest:
         if not isinstance(doc, dict):
             raise ManifestError("manifest is not a JSON object")
         version = doc.get("format_version")
-        if version not in SUPPORTED_FORMAT_VERSIONS:
+        if isinstance(version, bool) or version not in SUPPORTED_FORMAT_VERSIONS:  # JSON true == 1 in Python
             raise ManifestError(
                 f"manifest format_version {version!r} is not supported (this build reads "
                 f"{sorted(SUPPORTED_FORMAT_VERSIONS)}); upgrade spot-trainer"
             )
         try:
             files = tuple(
-                FileEntry(path=safe_relpath(f["path"]), size=int(f["size"]), sha256=str(f["sha256"]))
+                FileEntry(path=safe_relpath(f["path"]), size=int(f["size"]), sha256=str(f["sha256"]),
+                          block_size=_block_size(f.get("block_size"), version))
                 for f in doc["files"]
             )
             step = int(doc["step"])
@@ -124,6 +140,16 @@ class Manifest:
                 raise CorruptCheckpoint(
                     f"{folder}: {entry.path} has {actual} bytes, the manifest says {entry.size} (truncated?)"
                 )
-            _, digest = sha256_file(path)
+            _, digest = file_digest(path, entry.block_size)
             if digest != entry.sha256:
                 raise CorruptCheckpoint(f"{folder}: {entry.path} fails its sha256 check")
+
+
+def _block_size(value: Any, version: int) -> int | None:
+    if value is None:
+        return None
+    if version < BLOCK_SIZE_SINCE:
+        raise ManifestError(f"manifest format_version {version} has no block_size; the manifest is damaged")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ManifestError(f"manifest lists a malformed block_size: {value!r}")
+    return value

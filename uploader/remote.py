@@ -4,9 +4,10 @@ Keys are '/'-separated and relative to the remote's root (``s3://bucket/<prefix>
 ``file:///<path>``); uploader.layout decides which keys a checkpoint uses. Implementations:
 uploader.s3 (S3 and S3-compatible servers) and uploader.filesystem (a shared volume / NFS).
 
-``put_file`` and ``get_file`` are *verified* transfers: both check size and sha256 against what the
+``put_file`` and ``get_file`` are *verified* transfers: both check size and digest against what the
 manifest says while the bytes stream (each file is read once) and raise CorruptCheckpoint on a
-mismatch, leaving nothing at the destination key that looks complete.
+mismatch, leaving nothing at the destination key that looks complete. ``block_size`` is the
+manifest entry's: None for a plain sha256, else the block digest of uploader.hashing.
 """
 from __future__ import annotations
 
@@ -64,6 +65,7 @@ class Remote(Protocol):
         *,
         size: int,
         sha256: str,
+        block_size: int | None = None,
         on_bytes: OnBytes | None = None,
         abort: threading.Event | None = None,
     ) -> None:
@@ -77,6 +79,7 @@ class Remote(Protocol):
         *,
         size: int,
         sha256: str,
+        block_size: int | None = None,
         on_bytes: OnBytes | None = None,
         abort: threading.Event | None = None,
     ) -> None:

@@ -2,15 +2,18 @@
 
 Works with AWS S3 and S3-compatible servers (MinIO, SeaweedFS, Ceph): path-style addressing is
 available, and the SDK's newer default checksums are switched to "when_required" because many such
-servers reject or mangle them. Integrity is ours instead: every file's sha256 is checked while it
-streams, and stored as ``x-amz-meta-sha256`` so that a resumed upload can skip what is already there.
+servers reject or mangle them. Integrity is ours instead: every file's digest (the manifest's
+``sha256``, uploader.hashing) is checked while it streams, and stored as ``x-amz-meta-sha256`` so
+that a resumed upload can skip what is already there.
 
 Credentials come only from boto3's standard chain (environment, shared files, web identity / IRSA,
 container and instance profiles). They are never passed around, printed or logged; error messages
 name the bucket and endpoint instead.
 
 Large files go up as multipart uploads and come down as ranged GETs, ``concurrency`` parts at a time
-(uploader.parallel), each file read or written once and hashed in order.
+(uploader.parallel), each file read or written once. Format 2 files (block digests) are hashed by
+the thread that moves each part, with ranges and parts rounded up to whole blocks; format 1 files
+(one plain sha256) are hashed in order.
 """
 from __future__ import annotations
 
@@ -41,7 +44,7 @@ from uploader.exceptions import (
     TransientStorageError,
     UploaderError,
 )
-from uploader.hashing import hash_range, pwrite_all, start_writeback
+from uploader.hashing import BlockDigest, RangeHasher, align_up, digest_bytes, hash_range, pwrite_all, start_writeback
 from uploader.parallel import ordered_map
 from uploader.remote import ObjectInfo, OnBytes
 from uploader.retry import describe, error_code, is_transient, retrying
@@ -192,6 +195,7 @@ class S3Remote:
         *,
         size: int,
         sha256: str,
+        block_size: int | None = None,
         on_bytes: OnBytes | None = None,
         abort: threading.Event | None = None,
     ) -> None:
@@ -202,9 +206,9 @@ class S3Remote:
         if actual != size:
             raise CorruptCheckpoint(f"{path} has {actual} bytes, the manifest says {size}")
         if size < self.config.multipart_threshold:
-            self._put_single(key, path, size, sha256, on_bytes, abort)
+            self._put_single(key, path, size, sha256, block_size, on_bytes, abort)
         else:
-            self._put_multipart(key, path, size, sha256, on_bytes, abort)
+            self._put_multipart(key, path, size, sha256, block_size, on_bytes, abort)
 
     def get_file(
         self,
@@ -213,6 +217,7 @@ class S3Remote:
         *,
         size: int,
         sha256: str,
+        block_size: int | None = None,
         on_bytes: OnBytes | None = None,
         abort: threading.Event | None = None,
     ) -> None:
@@ -221,8 +226,9 @@ class S3Remote:
             raise CorruptCheckpoint(f"{self.url}/{key} is missing")
         if info.size != size:
             raise CorruptCheckpoint(f"{self.url}/{key} has {info.size} bytes, the manifest says {size}")
-        step = self.config.part_size
+        step = align_up(self.config.part_size, block_size)  # a range holds whole blocks: its thread hashes them
         ranges = [(start, min(start + step, size) - 1) for start in range(0, size, step)]
+        blocks = BlockDigest(size, block_size) if block_size is not None else None
         failed = threading.Event()
         should_abort = _either(failed, abort)
         buffers = threading.local()  # one reused streaming buffer per worker thread
@@ -236,8 +242,9 @@ class S3Remote:
             os.ftruncate(fd, size)  # every range lands in place, in parallel, as it arrives
 
             def fetch(span: tuple[int, int]) -> tuple[int, int]:
-                """Stream one range straight into its place in the file (no part-sized buffer); the
-                caller hashes finished ranges in order, reading them back from the page cache."""
+                """Stream one range straight into its place in the file (no part-sized buffer), hashing
+                its blocks on the way (format 2); for format 1 the caller hashes finished ranges in
+                order, reading them back from the page cache."""
                 first, last = span
 
                 def op() -> None:
@@ -246,7 +253,9 @@ class S3Remote:
                     with contextlib.closing(reply["Body"]) as body:
                         if not hasattr(buffers, "chunk"):
                             buffers.chunk = bytearray(STREAM_CHUNK)
-                        _stream_into(body, fd, first, last - first + 1, buffers.chunk, write_lock)
+                        # Each attempt hashes afresh: a retried range must not count its first bytes twice.
+                        hasher = blocks.at(first) if blocks is not None else None
+                        _stream_into(body, fd, first, last - first + 1, buffers.chunk, write_lock, hasher)
 
                 self._call(f"GET {key} bytes {first}-{last}", op, should_abort)
                 start_writeback(fd, first, last - first + 1)
@@ -254,14 +263,15 @@ class S3Remote:
 
             window = max(1, min(self.config.concurrency, len(ranges)))
             parts_in_order = ordered_map(fetch, ranges, window=window, failed=failed, name="uploader-get")
-            hash_buffer = bytearray(STREAM_CHUNK)
+            hash_buffer = bytearray(STREAM_CHUNK if blocks is None else 0)
             with contextlib.closing(parts_in_order) as parts:
                 for first, last in parts:
-                    hash_range(digest, fd, first, last - first + 1, hash_buffer)
+                    if blocks is None:  # format 1: one sha256, in order, read back from the page cache
+                        hash_range(digest, fd, first, last - first + 1, hash_buffer)
                     if on_bytes is not None:
                         on_bytes(last - first + 1)
             os.fsync(fd)
-        if digest.hexdigest() != sha256:
+        if (blocks.hexdigest() if blocks is not None else digest.hexdigest()) != sha256:
             raise CorruptCheckpoint(f"{self.url}/{key} fails its sha256 check")
 
     def delete(self, keys: Sequence[str]) -> None:
@@ -283,11 +293,12 @@ class S3Remote:
     # -- transfers ------------------------------------------------------------------------------
 
     def _put_single(
-        self, key: str, path: Path, size: int, sha256: str, on_bytes: OnBytes | None, abort: threading.Event | None
+        self, key: str, path: Path, size: int, sha256: str, block_size: int | None, on_bytes: OnBytes | None,
+        abort: threading.Event | None
     ) -> None:
         """Small files: read once into memory, check, then PUT (a retry re-sends the same bytes)."""
         data = _read_local(path)
-        if len(data) != size or hashlib.sha256(data).hexdigest() != sha256:
+        if len(data) != size or digest_bytes(data, block_size) != sha256:
             raise CorruptCheckpoint(f"{path} does not match its manifest (size or sha256); not uploading it")
         self._call(
             f"PUT {key}",
@@ -300,15 +311,18 @@ class S3Remote:
             on_bytes(size)
 
     def _put_multipart(
-        self, key: str, path: Path, size: int, sha256: str, on_bytes: OnBytes | None, abort: threading.Event | None
+        self, key: str, path: Path, size: int, sha256: str, block_size: int | None, on_bytes: OnBytes | None,
+        abort: threading.Event | None
     ) -> None:
-        """Large files: parts read in order (hashed as read), sent ``concurrency`` at a time.
+        """Large files: parts read in order, sent ``concurrency`` at a time, hashed as they are read
+        (format 1) or by the thread that sends them (format 2: parts hold whole blocks).
 
-        The upload is completed only if the bytes read hash to the manifest's sha256, so a local file
+        The upload is completed only if the bytes read hash to the manifest's digest, so a local file
         that rotted never becomes a remote object; any failure aborts the multipart upload.
         """
         full = self._key(key)
-        part_size = part_size_for(size, self.config.part_size)
+        part_size = align_up(part_size_for(size, self.config.part_size), block_size)
+        blocks = BlockDigest(size, block_size) if block_size is not None else None
         failed = threading.Event()
         should_abort = _either(failed, abort)
         upload_id = self._call(
@@ -327,7 +341,8 @@ class S3Remote:
                 with open(path, "rb") as f:
                     number = 1
                     while chunk := f.read(part_size):
-                        digest.update(chunk)
+                        if blocks is None:
+                            digest.update(chunk)
                         read += len(chunk)
                         yield number, chunk
                         number += 1
@@ -336,6 +351,8 @@ class S3Remote:
 
         def send(item: tuple[int, bytes]) -> dict[str, Any]:
             number, chunk = item
+            if blocks is not None:
+                blocks.at((number - 1) * part_size).update(chunk)
             etag = self._call(
                 f"upload part {number} of {key}",
                 lambda: self._client.upload_part(
@@ -352,7 +369,7 @@ class S3Remote:
                 ordered_map(send, chunks(), window=self.config.concurrency, failed=failed, name="uploader-put")
             ) as sent:
                 parts = list(sent)
-            if read != size or digest.hexdigest() != sha256:
+            if read != size or (blocks.hexdigest() if blocks is not None else digest.hexdigest()) != sha256:
                 raise CorruptCheckpoint(f"{path} does not match its manifest (size or sha256); not uploading it")
             self._call(
                 f"complete multipart upload of {key}",
@@ -433,8 +450,10 @@ def _either(failed: threading.Event | None, abort: threading.Event | None) -> Ca
     return lambda: any(e.is_set() for e in events)
 
 
-def _stream_into(body: Any, fd: int, offset: int, length: int, chunk: bytearray, write_lock: threading.Lock) -> None:
-    """Copy a response body of ``length`` bytes to ``fd`` at ``offset``, one reused chunk at a time.
+def _stream_into(body: Any, fd: int, offset: int, length: int, chunk: bytearray, write_lock: threading.Lock,
+                 hasher: RangeHasher | None = None) -> None:
+    """Copy a response body of ``length`` bytes to ``fd`` at ``offset``, one reused chunk at a time,
+    hashing each chunk (format 2) while it is still in this thread's cache.
 
     Reads go straight from the socket into ``chunk`` (http.client's ``readinto`` under urllib3), with
     no intermediate bytes objects; bodies without that path (other HTTP stacks) fall back to
@@ -454,6 +473,8 @@ def _stream_into(body: Any, fd: int, offset: int, length: int, chunk: bytearray,
             want[:n] = data
         if not n:
             raise http.client.IncompleteRead(b"", length - done)
+        if hasher is not None:
+            hasher.update(want[:n])  # outside the lock: eight ranges hash on as many cores as there are
         with write_lock:
             pwrite_all(fd, want[:n], offset + done)
         done += n

@@ -154,7 +154,7 @@ def _upload(ckpt: LocalCheckpoint, remote: Remote, abort: threading.Event | None
             progress.add(entry.size)
             continue
         remote.put_file(key, ckpt.path / entry.path, size=entry.size, sha256=entry.sha256,
-                        on_bytes=progress.add, abort=abort)
+                        block_size=entry.block_size, on_bytes=progress.add, abort=abort)
     remote.write_bytes(manifest_key(ckpt.name), raw)
     progress.close()
     logger.info("uploaded %s to %s (%d files, %d bytes%s)", ckpt.name, remote.url, len(manifest.files),
@@ -256,7 +256,7 @@ def _download(
             dest = _inside(staging, entry.path)
             dest.parent.mkdir(parents=True, exist_ok=True)
             remote.get_file(data_key(name, entry.path), dest, size=entry.size, sha256=entry.sha256,
-                            on_bytes=progress.add, abort=abort)
+                            block_size=entry.block_size, on_bytes=progress.add, abort=abort)
         progress.close()
         return commit(staging, manifest)
     except BaseException:

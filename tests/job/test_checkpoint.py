@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import logging
 import pickle
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from job.checkpoint import STATE_FILE, Checkpointer, describe, load_state_file, 
 from job.exceptions import CheckpointLoadError
 from tests.support.jobs import ckpt_config, train_state
 from uploader import local
-from uploader.hashing import sha256_file
+from uploader.hashing import BLOCK_SIZE, file_digest, sha256_file
 from uploader.manifest import FORMAT_VERSION, FileEntry, Manifest
 
 
@@ -35,7 +36,8 @@ def test_checkpoints_are_committed_with_a_manifest_and_pruned(saved):
     assert doc["step"] == 40
     assert doc["timer"] == state.timer.state_dict()
     (entry,) = doc["files"]
-    assert (entry["size"], entry["sha256"]) == sha256_file(newest / STATE_FILE)
+    assert entry["block_size"] == BLOCK_SIZE
+    assert (entry["size"], entry["sha256"]) == file_digest(newest / STATE_FILE, BLOCK_SIZE)
     assert doc["meta"]["seed"] == 7
 
 
@@ -86,13 +88,37 @@ class _Exploit:
         return (Path.touch, (self.sentinel,))
 
 
+def _as_format_1(ckpt_path: Path) -> None:
+    """Rewrite a checkpoint's manifest the way the first release wrote it: plain sha256, no block_size."""
+    manifest = Manifest.read(ckpt_path)
+    files = tuple(FileEntry(f.path, *sha256_file(ckpt_path / f.path)) for f in manifest.files)
+    (ckpt_path / "manifest.json").write_bytes(replace(manifest, files=files, format_version=1).to_json())
+
+
+def test_a_format_1_checkpoint_resumes_bit_for_bit_and_is_still_checked(tiny_config, saved):
+    state, folder = saved
+    for step in (30, 40):
+        _as_format_1(folder / local.checkpoint_name(step))
+    newest = folder / local.checkpoint_name(40)
+
+    resumed = train_state(tiny_config(max_duration="40ba"), ckpt_config(folder, interval="10ba"), stop_at=0)
+
+    assert resumed.timer.batch.value == 40
+    assert model_sha256(resumed.model.state_dict()) == model_sha256(state.model.state_dict())
+    entry = json.loads((newest / "manifest.json").read_text())
+    assert entry["format_version"] == 1 and "block_size" not in entry["files"][0]
+    _flip_byte(newest / STATE_FILE)
+    found = Checkpointer(folder, 3, {}).newest()
+    assert found is not None and found[0].step == 30
+
+
 def write_hostile_checkpoint(folder: Path, sentinel: Path) -> Path:
     """A checkpoint whose manifest is valid but whose state file runs code when unpickled."""
     staging = local.staging_dir(folder, 5)
     with open(staging / STATE_FILE, "wb") as f:
         torch.save({"model": _Exploit(sentinel)}, f)
-    size, digest = sha256_file(staging / STATE_FILE)
-    return local.commit(staging, Manifest(step=5, files=(FileEntry(STATE_FILE, size, digest),))).path
+    size, digest = file_digest(staging / STATE_FILE, BLOCK_SIZE)
+    return local.commit(staging, Manifest(step=5, files=(FileEntry(STATE_FILE, size, digest, BLOCK_SIZE),))).path
 
 
 def test_hostile_pickle_is_refused_and_never_executed(tmp_path):

@@ -9,9 +9,9 @@ import random
 from collections.abc import Mapping
 from pathlib import Path
 
-from uploader.hashing import sha256_file
+from uploader.hashing import BLOCK_SIZE, file_digest
 from uploader.local import LocalCheckpoint, commit, staging_dir
-from uploader.manifest import FileEntry, Manifest
+from uploader.manifest import FORMAT_VERSION, FileEntry, Manifest
 from uploader.remote import Remote
 from uploader.sync import list_remote
 
@@ -22,9 +22,12 @@ WITH_LARGE_FILE: Mapping[str, int] = {**SMALL_FILES, "big.bin": 11 * 1024 * 1024
 
 
 def make_checkpoint(
-    folder: Path, step: int, files: Mapping[str, int] = SMALL_FILES, *, seed: int | None = None
+    folder: Path, step: int, files: Mapping[str, int] = SMALL_FILES, *, seed: int | None = None,
+    block_size: int | None = BLOCK_SIZE, format_version: int = FORMAT_VERSION,
 ) -> LocalCheckpoint:
-    """Write ``files`` (relative path -> size) with random bytes into a staging folder and commit it."""
+    """Write ``files`` (relative path -> size) with random bytes into a staging folder and commit it.
+
+    ``block_size`` None with ``format_version=1`` is a checkpoint as the first release wrote it."""
     rng = random.Random(step if seed is None else seed)
     staging = staging_dir(folder, step)
     entries = []
@@ -35,9 +38,10 @@ def make_checkpoint(
             f.write(rng.randbytes(size))
             f.flush()
             os.fsync(f.fileno())
-        size_read, digest = sha256_file(path)
-        entries.append(FileEntry(path=relpath, size=size_read, sha256=digest))
-    return commit(staging, Manifest(step=step, files=tuple(entries), timer={"epoch": 0, "batch": step}))
+        size_read, digest = file_digest(path, block_size)
+        entries.append(FileEntry(path=relpath, size=size_read, sha256=digest, block_size=block_size))
+    manifest = Manifest(step=step, files=tuple(entries), timer={"epoch": 0, "batch": step}, format_version=format_version)
+    return commit(staging, manifest)
 
 
 def files_of(ckpt_path: Path) -> dict[str, bytes]:

@@ -64,6 +64,19 @@ def test_download_survives_resets(fault_proxy: FaultProxy, s3_bucket: Bucket, tm
     assert pulled is not None and data_files_of(pulled.path) == data_files_of(ckpt.path)
 
 
+def test_a_range_retried_mid_block_is_hashed_afresh(fault_proxy: FaultProxy, s3_bucket: Bucket, tmp_path: Path) -> None:
+    """Format 2 hashes ranges as they arrive: a retried range must replace, not extend, its blocks."""
+    ckpt = make_checkpoint(tmp_path / "local", 10, {"big.bin": 11 * MiB + 123}, block_size=768 * 1024)
+    remote = via(fault_proxy, s3_bucket)
+    push(ckpt, remote, keep=3)
+    fault_proxy.reset_after(1_300_000, times=1)  # inside a range's second 768 KiB block
+
+    pulled = pull_newest(remote, tmp_path / "restore")
+
+    assert fault_proxy.counters.resets == 1
+    assert pulled is not None and data_files_of(pulled.path) == data_files_of(ckpt.path)
+
+
 def test_giving_up_leaves_an_incomplete_checkpoint_that_pull_ignores(
     fault_proxy: FaultProxy, s3_bucket: Bucket, tmp_path: Path
 ) -> None:

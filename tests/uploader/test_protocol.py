@@ -62,6 +62,30 @@ def test_round_trip_is_byte_identical_and_a_normal_local_checkpoint(remote: Remo
     assert not [p for p in restore.iterdir() if p.name.startswith(STAGING_PREFIX)]
 
 
+@pytest.mark.parametrize(("block_size", "format_version"), [(None, 1), (768 * 1024, 2)],
+                         ids=["format-1", "format-2-blocks-not-dividing-parts"])
+def test_each_format_round_trips_and_a_flipped_byte_in_a_large_file_is_caught(
+    remote: Remote, local: Path, restore: Path, block_size: int | None, format_version: int
+) -> None:
+    """768 KiB blocks do not divide the 5 MiB parts: ranges and parts are rounded up to whole blocks."""
+    push(make_checkpoint(local, 100), remote, keep=3)
+    ckpt = make_checkpoint(local, 200, WITH_LARGE_FILE, block_size=block_size, format_version=format_version)
+    push(ckpt, remote, keep=3)
+
+    pulled = pull_newest(remote, restore)
+
+    assert pulled is not None and pulled.step == 200
+    assert data_files_of(pulled.path) == data_files_of(ckpt.path)
+    assert pulled.manifest() == ckpt.manifest() and pulled.manifest().format_version == format_version
+
+    key = data_key(ckpt.name, "big.bin")
+    damaged = bytearray(remote.read_bytes(key) or b"")
+    damaged[6 * 1024 * 1024 + 1] ^= 0x01  # inside the second range of the download
+    remote.write_bytes(key, bytes(damaged))
+    again = pull_newest(remote, restore / "again")
+    assert again is not None and again.step == 100
+
+
 def test_remote_layout_has_manifest_and_latest(remote: Remote, local: Path) -> None:
     push(make_checkpoint(local, 7), remote, keep=3)
     name = checkpoint_name(7)

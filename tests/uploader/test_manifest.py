@@ -1,0 +1,63 @@
+"""The manifest's versioned format: both versions read, damaged or unknown ones refused with a reason."""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from uploader.exceptions import CorruptCheckpoint, ManifestError
+from uploader.hashing import digest_bytes
+from uploader.manifest import FORMAT_VERSION, FileEntry, Manifest
+
+DATA = bytes(range(256)) * 20  # 5120 bytes: two whole 2 KiB blocks and a short one
+
+
+def doc(version: int, **entry: Any) -> bytes:
+    files = [{"path": "a.bin", "size": len(DATA), "sha256": hashlib.sha256(DATA).hexdigest(), **entry}]
+    return json.dumps({"format_version": version, "step": 3, "files": files}).encode()
+
+
+def folder_with_data(tmp_path: Path) -> Path:
+    (tmp_path / "a.bin").write_bytes(DATA)
+    return tmp_path
+
+
+def test_this_build_writes_format_2_with_block_sizes_and_reads_it_back(tmp_path: Path) -> None:
+    entry = FileEntry("a.bin", len(DATA), digest_bytes(DATA, 2048), block_size=2048)
+    manifest = Manifest(step=3, files=(entry,))
+    back = Manifest.from_json(manifest.to_json())
+    assert FORMAT_VERSION == 2 and back == manifest
+    back.verify(folder_with_data(tmp_path))
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_an_entry_without_block_size_is_a_plain_sha256(tmp_path: Path, version: int) -> None:
+    manifest = Manifest.from_json(doc(version))
+    assert manifest.format_version == version and manifest.files[0].block_size is None
+    manifest.verify(folder_with_data(tmp_path))
+
+
+def test_a_block_digest_checked_against_other_bytes_fails(tmp_path: Path) -> None:
+    manifest = Manifest.from_json(doc(2, block_size=2048))  # the plain sha256 under a block_size: wrong
+    with pytest.raises(CorruptCheckpoint, match="sha256"):
+        manifest.verify(folder_with_data(tmp_path))
+
+
+def test_format_1_has_no_block_size() -> None:
+    with pytest.raises(ManifestError, match="format_version 1 has no block_size"):
+        Manifest.from_json(doc(1, block_size=2048))
+
+
+@pytest.mark.parametrize("bad", [0, -1, "2048", 1.5, True, [2048]])
+def test_a_malformed_block_size_is_refused(bad: Any) -> None:
+    with pytest.raises(ManifestError, match="malformed block_size"):
+        Manifest.from_json(doc(2, block_size=bad))
+
+
+@pytest.mark.parametrize("version", [0, 3, "2", None, True])
+def test_an_unknown_format_version_asks_for_an_upgrade(version: Any) -> None:
+    with pytest.raises(ManifestError, match="not supported.*upgrade spot-trainer"):
+        Manifest.from_json(doc(version))  # type: ignore[arg-type]
