@@ -243,29 +243,42 @@ def describe_remote(url: str, tmp: Path, endpoint_url: str | None, addressing: s
     return info
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> NoReturn:
     """Entry point: click errors and JobErrors become one line on stderr and a documented exit code."""
+    code = run(argv)
+    if distributed.joined():  # a torchrun worker: see job.distributed.joined for why it skips the teardown
+        exit_now(code)
+    sys.exit(code)
+
+
+def run(argv: list[str] | None) -> int:
+    """The CLI, with every way out turned into an exit code (errors printed as one line)."""
     try:
         code = cli.main(args=argv, prog_name="job", standalone_mode=False)
+    except SystemExit as e:  # sys.exit inside a command
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        click.echo(e.code, err=True)
+        return 1
     except click.ClickException as e:
         ctx_name = f"job {e.ctx.info_name} --help" if getattr(e, "ctx", None) and e.ctx.info_name != "job" else "job --help"
         click.echo(f"job: error: {e.format_message()} (see '{ctx_name}')", err=True)
-        sys.exit(e.exit_code if e.exit_code else EXIT_USAGE)
+        return e.exit_code if e.exit_code else EXIT_USAGE
     except click.exceptions.Abort:
         click.echo("job: aborted", err=True)
-        sys.exit(130)
+        return 130
     except JobError as e:
         logger.debug("job error", exc_info=True)
         click.echo(f"job: error: {e}", err=True)
-        sys.exit(e.exit_code)
+        return e.exit_code
     except UploaderError as e:
         logger.debug("storage error", exc_info=True)
         click.echo(f"job: error: {e}", err=True)
-        sys.exit(storage_exit_code(e))
+        return storage_exit_code(e)
     except PrecisionError as e:
         click.echo(f"job: error: {e}", err=True)
-        sys.exit(EXIT_USAGE)
+        return EXIT_USAGE
     except Exception:
         logger.exception("unexpected error (a bug: please report it with this traceback)")
-        sys.exit(EXIT_BUG)
-    sys.exit(code if isinstance(code, int) else 0)
+        return EXIT_BUG
+    return code if isinstance(code, int) else 0

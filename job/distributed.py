@@ -22,6 +22,8 @@ logger = logging.getLogger(__name__)
 PER_RANK_KEYS = ("rng", "train_metrics")
 PER_RANK = "per_rank"
 
+_joined = False  # set once this process joins a process group; stays set after shutdown()
+
 
 @dataclass(frozen=True)
 class DistConfig:
@@ -46,8 +48,10 @@ class DistConfig:
 
 def init(cfg: DistConfig, device: str) -> None:
     """Join the process group (env:// rendezvous set up by torchrun): NCCL on GPUs, gloo on CPU."""
+    global _joined
     if not cfg.enabled or dist.is_initialized():
         return
+    _joined = True
     if device == "cuda":
         torch.cuda.set_device(cfg.local_rank)
     backend, timeout = ("nccl" if device == "cuda" else "gloo"), datetime.timedelta(minutes=10)
@@ -65,6 +69,19 @@ def init(cfg: DistConfig, device: str) -> None:
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def joined() -> bool:
+    """True in a process that has joined a process group, even after :func:`shutdown`.
+
+    Such a process must leave with ``os._exit`` (job.cli.main): with torch 2.13 the gloo group lives on
+    in DDP's Reducer after destroy_process_group, and its destructor, run when the model is freed at
+    interpreter exit, joins gloo's worker threads while holding the GIL. A worker thread still
+    dropping a finished collective's tensors needs the GIL: both wait forever (seen in CI, about one
+    torchrun run in eight: main thread in ~ProcessGroupGloo from ~Reducer, a pt_gloo_runloop thread
+    in take_gil inside ~AsyncBarrierWork).
+    """
+    return _joined
 
 
 def active() -> bool:

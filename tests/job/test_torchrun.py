@@ -9,7 +9,7 @@ import pytest
 
 from tests.support.jobs import REPO, inspect, job_env
 from tests.support.polling import wait_until
-from tests.support.procs import descendants, worker_of_rank
+from tests.support.procs import worker_of_rank
 
 pytestmark = pytest.mark.slow
 
@@ -34,20 +34,11 @@ def uninterrupted(tmp_path_factory):
     return inspect(folder)
 
 
-def _kill_group(proc) -> None:
-    for pid in [proc.proc.pid, *descendants(proc.proc.pid)]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait()
-
-
 def test_two_ranks_sigkilled_and_restarted_end_bit_identical(spawn, tmp_path, uninterrupted):
     folder = tmp_path / "ck"
     proc = spawn(argv=torchrun() + ["--save-folder", str(folder)], env=job_env())
     proc.wait_event("checkpoint", lambda e: e["step"] >= 30)
-    _kill_group(proc)  # the node is gone: launcher and both workers
+    proc.kill()  # the node is gone: launcher and both workers (JobProcess.kill takes the whole tree)
     restarted = spawn(argv=torchrun() + ["--save-folder", str(folder)], env=job_env())
     assert restarted.wait(timeout=300) == 0, restarted.stderr[-3000:]
     assert restarted.wait_event("resumed")["step"] >= 30
@@ -99,7 +90,7 @@ def test_sharded_checkpoints_round_trip_through_the_bucket(spawn, tmp_path, s3_b
     proc = spawn(argv=torchrun() + sharded + ["--save-folder", str(folder), "--remote", remote], env=env)
     wait_until(lambda: any(s >= 30 for s in remote_steps(s3_bucket, "sharded")), timeout=180,
                what="a sharded checkpoint in the bucket")
-    _kill_group(proc)
+    proc.kill()
     import shutil
 
     shutil.rmtree(folder)

@@ -184,8 +184,14 @@ class JobProcess:
         time.sleep(2)
 
     def kill(self) -> None:
+        """SIGKILL the process and everything it started (a torchrun launcher's workers are in sessions
+        of their own, and outlive a killed launcher otherwise)."""
         if self.proc.poll() is None:
-            self.proc.kill()
+            for pid in [*descendants(self.proc.pid), self.proc.pid]:  # found before the launcher dies
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             self.proc.wait(10)
         self._close()
 
