@@ -1,7 +1,7 @@
 """Time from start-up to the first training step when resuming from the bucket, vs. download + torch.load.
 
 A job on a new machine lists the bucket, pulls the newest complete checkpoint (sha256-checked while
-it streams, fsynced, committed), re-verifies it, loads it and starts training. The floor for that is
+it streams, committed; not fsynced, see uploader.sync "Pull"), loads it and starts training. The floor for that is
 fetching the bytes and unpickling them: ``s5cmd cp`` of the state file plus
 ``torch.load(weights_only=True)``. Target: ours <= 1.2x that floor.
 
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"floor: download (s5cmd) {med('floor', 'download'):.2f} s + torch.load {med('floor', 'load'):.2f} s "
           f"= {floor_s:.2f} s")
     print(f"in-process job.app.train: pulled {med('inprocess', 'pulled'):.2f} s (build, S3 client, list, download, "
-          f"sha256, fsync, commit), resumed {med('inprocess', 'resumed'):.2f} s (+ re-verify, torch.load, "
+          f"sha256, commit), resumed {med('inprocess', 'resumed'):.2f} s (+ torch.load, "
           f"load_state_dict), first step starts {med('inprocess', 'ready'):.2f} s, first step done "
           f"{med('inprocess', 'first_step'):.2f} s")
     print(f"process `job train`: resumed {med('process', 'resumed'):.2f} s, first step starts "

@@ -168,6 +168,13 @@ def choose(cfg: CheckpointConfig, checkpointer: Checkpointer, store: RemoteStore
         # Verified byte for byte while it streamed to disk: hashing it again would only delay the resume.
         return pulled.path, pulled.manifest(), store.describe(pulled)
     found = checkpointer.newest()
+    committed = local.list_committed(cfg.folder)
+    if store is not None and committed and (found is None or found[0].step < committed[-1].step):
+        # The newest local checkpoint is corrupt (a pull torn by a power cut: pulls are not fsynced)
+        # and was skipped: the bucket may still hold it, or something newer than the older local one.
+        pulled = store.pull_if_newer(cfg.folder, than=found[0].step if found is not None else -1)
+        if pulled is not None:
+            return pulled.path, pulled.manifest(), store.describe(pulled)
     if found is None:
         return None
     ckpt, manifest = found

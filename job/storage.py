@@ -47,15 +47,18 @@ class RemoteStore:
         self._pull: threading.Thread | None = None
         self._abort_pull = threading.Event()
 
-    def pull_if_newer(self, folder: Path) -> LocalCheckpoint | None:
-        """Download the newest complete remote checkpoint when it is newer than every local one.
+    def pull_if_newer(self, folder: Path, than: int | None = None) -> LocalCheckpoint | None:
+        """Download the newest complete remote checkpoint when it is newer than step ``than`` (by
+        default, than every committed local one).
 
         Raises the uploader's AuthError / BucketNotFound at once, so bad credentials fail in seconds,
         before any training.
         """
         newest = newest_complete(self.remote)
-        local = list_committed(folder)
-        local_step = local[-1].step if local else -1
+        if than is None:
+            local = list_committed(folder)
+            than = local[-1].step if local else -1
+        local_step = than
         if newest is None or newest[0] <= local_step:
             return None
         pulled = pull_newest(self.remote, folder, abort=self._abort_pull)

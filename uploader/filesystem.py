@@ -139,7 +139,7 @@ class FileRemote:
         except OSError as e:
             raise StorageError(f"cannot read {key} in {self.describe()}: {e.strerror}") from None
         with src, open(path, "wb") as dst:
-            actual_size, actual_sha = _copy(src, dst, block_size, on_bytes, abort)
+            actual_size, actual_sha = _copy(src, dst, block_size, on_bytes, abort, durable=False)
         if actual_size != size:
             raise CorruptCheckpoint(f"{self.url}/{key} has {actual_size} bytes, the manifest says {size}")
         if actual_sha != sha256:
@@ -194,8 +194,9 @@ class FileRemote:
 
 
 def _copy(src: BinaryIO, dst: BinaryIO, block_size: int | None, on_bytes: OnBytes | None,
-          abort: threading.Event | None) -> tuple[int, str]:
-    """Copy in large chunks, hashing on the way (each byte read once); fsync the destination."""
+          abort: threading.Event | None, durable: bool = True) -> tuple[int, str]:
+    """Copy in large chunks, hashing on the way (each byte read once); fsync the destination when
+    ``durable`` (an object of the remote; a download is not, see Remote.get_file)."""
     digest = StreamDigest(block_size)
     size = 0
     while chunk := src.read(CHUNK):
@@ -207,7 +208,8 @@ def _copy(src: BinaryIO, dst: BinaryIO, block_size: int | None, on_bytes: OnByte
         if on_bytes is not None:
             on_bytes(len(chunk))
     dst.flush()
-    os.fsync(dst.fileno())
+    if durable:
+        os.fsync(dst.fileno())
     return size, digest.hexdigest()
 
 

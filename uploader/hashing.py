@@ -252,8 +252,9 @@ _sync_file_range = _load_sync_file_range()
 def start_writeback(fd: int, offset: int, length: int) -> None:
     """Ask the kernel to start writing a finished range to disk now, without waiting (Linux only).
 
-    The final fsync then has little left to do, instead of flushing a whole download at the end.
-    It is only a hint: durability still comes from that fsync, so failures are ignored.
+    A download is not fsynced (Remote.get_file): this bounds how long its data lives only in memory,
+    and keeps dirty pages from piling up until the kernel throttles the writers. Only a hint, so
+    failures are ignored.
     """
     if _sync_file_range is not None:
         _sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE)

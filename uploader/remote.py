@@ -83,7 +83,11 @@ class Remote(Protocol):
         on_bytes: OnBytes | None = None,
         abort: threading.Event | None = None,
     ) -> None:
-        """Download into ``path`` (fsynced), hashing while writing; CorruptCheckpoint if missing or different."""
+        """Download into ``path``, hashing while writing; CorruptCheckpoint if missing or different.
+
+        Not fsynced: the remote holds the durable copy, and a local checkpoint is verified before any
+        use (uploader.sync, "Pull"), so waiting here for the disk would only delay a resume.
+        """
         ...
 
     def delete(self, keys: Sequence[str]) -> None:

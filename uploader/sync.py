@@ -7,7 +7,11 @@ the same step is already remote, its manifest is deleted before any of its files
 
 Pull: list the remote (``latest`` is never trusted), take complete checkpoints newest first,
 download into a local staging folder while hashing, compare with the manifest, and commit it with
-uploader.local.commit; a checkpoint that does not verify is skipped with a warning.
+uploader.local.commit; a checkpoint that does not verify is skipped with a warning. The downloaded
+files are not fsynced, only the manifest and the rename: the remote keeps the durable copy, and a
+pulled checkpoint torn by a power cut fails its verification on the next start-up, like any corrupt
+one, and is pulled again (job.app.choose). Waiting for the disk would cost a resume a second pass
+at disk speed (8 s per GiB on a 125 MB/s cloud volume) for nothing.
 
 Retention keeps the newest ``keep`` complete checkpoints. It deletes an older one only once
 ``keep`` newer ones are complete, manifest first, then data, so a crash half-way leaves an

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.support.jobs import inspect, run_job, s3_job_env
+from tests.support.jobs import events, inspect, run_job, s3_job_env
 from tests.support.polling import wait_until
 from tests.support.s3server import READER, Credentials, fast_config
 from uploader.remote import open_remote
@@ -64,6 +64,24 @@ def test_remote_newer_than_local_wins(tmp_path, s3_bucket):
     done = run_job("train", *ARGS, "--max-duration", "40ba", "--save-folder", str(stale), "--remote", remote, env=env)
     assert done.returncode == 0, done.stderr
     assert '"source": "%s/step-000000000040"' % remote in done.stderr
+
+
+def test_a_corrupt_newest_local_checkpoint_is_pulled_again_from_the_bucket(tmp_path, s3_bucket):
+    # Pulls are not fsynced (the bucket holds the durable copy): one torn by a power cut is a corrupt
+    # newest local checkpoint whose step the bucket also has. The job must take the bucket's, not an
+    # older local one.
+    env, remote, folder = s3_job_env(s3_bucket), s3_bucket.url("torn"), tmp_path / "ck"
+    assert run_job("train", *ARGS, "--max-duration", "40ba", "--save-folder", str(folder), "--remote", remote,
+                   env=env).returncode == 0
+    state = folder / "step-000000000040" / "state.pt"
+    with open(state, "r+b") as f:  # zeros where a lost page would be
+        f.seek(state.stat().st_size // 2)
+        f.write(bytes(4096))
+    done = run_job("train", *ARGS, "--max-duration", "50ba", "--save-folder", str(folder), "--remote", remote, env=env)
+    assert done.returncode == 0, done.stderr
+    resumed = [e for e in events(done.stderr) if e.get("event") == "resumed"]
+    assert [(e["step"], e["source"]) for e in resumed] == [(40, f"{remote}/step-000000000040")]
+    assert "skipping corrupt checkpoint" in done.stderr
 
 
 def test_sidecar_mode_writes_locally_and_uploader_watch_uploads(spawn, tmp_path, s3_bucket, uninterrupted):
