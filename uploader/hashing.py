@@ -112,57 +112,100 @@ class BlockDigest:
         self._blocks[index] = digest  # one slot per block: no lock needed
 
 
-class RangeHasher:
-    """Hashes consecutive bytes from a block boundary on, in any chunk sizes (one thread)."""
+class _BlockFeed:
+    """Bytes arriving in order, in any chunk sizes, cut into blocks and each block hashed (one thread).
 
-    def __init__(self, parent: BlockDigest, offset: int) -> None:
-        self._parent = parent
-        self._index = offset // parent.block_size
+    Subclasses say how long the current block is and where a finished block's digest goes.
+    """
+
+    def __init__(self) -> None:
         self._hash = hashlib.sha256()
         self._filled = 0
 
     def update(self, data: bytes | bytearray | memoryview) -> None:
         view = memoryview(data)
-        parent = self._parent
         while view.nbytes:
-            if self._index >= len(parent._blocks):
-                raise ValueError("more bytes than the file holds")
-            block_len = min(parent.block_size, parent.size - self._index * parent.block_size)
+            block_len = self._block_len()
             take = min(view.nbytes, block_len - self._filled)
             self._hash.update(view[:take])
             self._filled += take
             view = view[take:]
             if self._filled == block_len:
-                parent._done(self._index, self._hash.digest())
-                self._index, self._hash, self._filled = self._index + 1, hashlib.sha256(), 0
+                self._finished(self._hash.digest())
+                self._hash, self._filled = hashlib.sha256(), 0
+
+    def _block_len(self) -> int:
+        raise NotImplementedError
+
+    def _finished(self, digest: bytes) -> None:
+        raise NotImplementedError
 
 
-class StreamDigest:
+class RangeHasher(_BlockFeed):
+    """Hashes consecutive bytes of a file of known size from a block boundary on."""
+
+    def __init__(self, parent: BlockDigest, offset: int) -> None:
+        super().__init__()
+        self._parent = parent
+        self._index = offset // parent.block_size
+
+    def _block_len(self) -> int:
+        parent = self._parent
+        if self._index >= len(parent._blocks):
+            raise ValueError("more bytes than the file holds")
+        return min(parent.block_size, parent.size - self._index * parent.block_size)
+
+    def _finished(self, digest: bytes) -> None:
+        self._parent._done(self._index, digest)
+        self._index += 1
+
+
+class StreamDigest(_BlockFeed):
     """A digest of bytes arriving in order, of a size not known in advance (a file being written)."""
 
     def __init__(self, block_size: int | None) -> None:
+        super().__init__()
         self.block_size = block_size
-        self._hash = hashlib.sha256()
-        self._filled = 0
         self._blocks: list[bytes] = []
 
-    def update(self, view: memoryview) -> None:
+    def update(self, data: bytes | bytearray | memoryview) -> None:
         if self.block_size is None:
-            self._hash.update(view)
+            self._hash.update(data)
             return
-        while view.nbytes:
-            take = min(view.nbytes, self.block_size - self._filled)
-            self._hash.update(view[:take])
-            self._filled += take
-            view = view[take:]
-            if self._filled == self.block_size:
-                self._blocks.append(self._hash.digest())
-                self._hash, self._filled = hashlib.sha256(), 0
+        super().update(data)
 
     def hexdigest(self) -> str:
         if self.block_size is None:
             return self._hash.hexdigest()
         return combine(self._blocks + ([self._hash.digest()] if self._filled else []))
+
+    def _block_len(self) -> int:
+        assert self.block_size is not None
+        return self.block_size
+
+    def _finished(self, digest: bytes) -> None:
+        self._blocks.append(digest)
+
+
+class PartDigest:
+    """A file's digest while it moves in parts (ranged GETs, multipart uploads), either format.
+
+    Format 2: each part (whole blocks) is hashed by the thread that moves it, through ``part(offset)``.
+    Format 1: ``in_order`` is the one sha256 the caller feeds in file order; ``part`` gives None.
+    """
+
+    def __init__(self, size: int, block_size: int | None) -> None:
+        self._blocks = BlockDigest(size, block_size) if block_size is not None else None
+        self.in_order = hashlib.sha256() if block_size is None else None
+
+    def part(self, offset: int) -> RangeHasher | None:
+        return self._blocks.at(offset) if self._blocks is not None else None
+
+    def hexdigest(self) -> str:
+        if self._blocks is not None:
+            return self._blocks.hexdigest()
+        assert self.in_order is not None
+        return self.in_order.hexdigest()
 
 
 class HashingWriter:

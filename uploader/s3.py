@@ -44,7 +44,7 @@ from uploader.exceptions import (
     TransientStorageError,
     UploaderError,
 )
-from uploader.hashing import BlockDigest, RangeHasher, align_up, digest_bytes, hash_range, pwrite_all, start_writeback
+from uploader.hashing import PartDigest, RangeHasher, align_up, digest_bytes, hash_range, pwrite_all, start_writeback
 from uploader.parallel import ordered_map
 from uploader.remote import ObjectInfo, OnBytes
 from uploader.retry import describe, error_code, is_transient, retrying
@@ -228,7 +228,7 @@ class S3Remote:
             raise CorruptCheckpoint(f"{self.url}/{key} has {info.size} bytes, the manifest says {size}")
         step = align_up(self.config.part_size, block_size)  # a range holds whole blocks: its thread hashes them
         ranges = [(start, min(start + step, size) - 1) for start in range(0, size, step)]
-        blocks = BlockDigest(size, block_size) if block_size is not None else None
+        digest = PartDigest(size, block_size)
         failed = threading.Event()
         should_abort = _either(failed, abort)
         buffers = threading.local()  # one reused streaming buffer per worker thread
@@ -236,7 +236,6 @@ class S3Remote:
         # here, asleep, costs nothing, where eight writers spinning on it in the kernel cost ~20 % CPU.
         write_lock = threading.Lock()
 
-        digest = hashlib.sha256()
         with open(path, "w+b") as f:
             fd = f.fileno()
             os.ftruncate(fd, size)  # every range lands in place, in parallel, as it arrives
@@ -254,8 +253,8 @@ class S3Remote:
                         if not hasattr(buffers, "chunk"):
                             buffers.chunk = bytearray(STREAM_CHUNK)
                         # Each attempt hashes afresh: a retried range must not count its first bytes twice.
-                        hasher = blocks.at(first) if blocks is not None else None
-                        _stream_into(body, fd, first, last - first + 1, buffers.chunk, write_lock, hasher)
+                        _stream_into(body, fd, first, last - first + 1, buffers.chunk, write_lock,
+                                     digest.part(first))
 
                 self._call(f"GET {key} bytes {first}-{last}", op, should_abort)
                 start_writeback(fd, first, last - first + 1)
@@ -263,15 +262,15 @@ class S3Remote:
 
             window = max(1, min(self.config.concurrency, len(ranges)))
             parts_in_order = ordered_map(fetch, ranges, window=window, failed=failed, name="uploader-get")
-            hash_buffer = bytearray(STREAM_CHUNK if blocks is None else 0)
+            hash_buffer = bytearray(STREAM_CHUNK if digest.in_order is not None else 0)
             with contextlib.closing(parts_in_order) as parts:
                 for first, last in parts:
-                    if blocks is None:  # format 1: one sha256, in order, read back from the page cache
-                        hash_range(digest, fd, first, last - first + 1, hash_buffer)
+                    if digest.in_order is not None:  # format 1: in order, read back from the page cache
+                        hash_range(digest.in_order, fd, first, last - first + 1, hash_buffer)
                     if on_bytes is not None:
                         on_bytes(last - first + 1)
         # No fsync (Remote.get_file): writeback has started per range; the bucket is the durable copy.
-        if (blocks.hexdigest() if blocks is not None else digest.hexdigest()) != sha256:
+        if digest.hexdigest() != sha256:
             raise CorruptCheckpoint(f"{self.url}/{key} fails its sha256 check")
 
     def delete(self, keys: Sequence[str]) -> None:
@@ -322,7 +321,7 @@ class S3Remote:
         """
         full = self._key(key)
         part_size = align_up(part_size_for(size, self.config.part_size), block_size)
-        blocks = BlockDigest(size, block_size) if block_size is not None else None
+        digest = PartDigest(size, block_size)
         failed = threading.Event()
         should_abort = _either(failed, abort)
         upload_id = self._call(
@@ -332,7 +331,6 @@ class S3Remote:
             )["UploadId"],
             should_abort,
         )
-        digest = hashlib.sha256()
         read = 0
 
         def chunks() -> Iterator[tuple[int, bytes]]:
@@ -341,8 +339,8 @@ class S3Remote:
                 with open(path, "rb") as f:
                     number = 1
                     while chunk := f.read(part_size):
-                        if blocks is None:
-                            digest.update(chunk)
+                        if digest.in_order is not None:
+                            digest.in_order.update(chunk)
                         read += len(chunk)
                         yield number, chunk
                         number += 1
@@ -351,8 +349,9 @@ class S3Remote:
 
         def send(item: tuple[int, bytes]) -> dict[str, Any]:
             number, chunk = item
-            if blocks is not None:
-                blocks.at((number - 1) * part_size).update(chunk)
+            hasher = digest.part((number - 1) * part_size)
+            if hasher is not None:
+                hasher.update(chunk)
             etag = self._call(
                 f"upload part {number} of {key}",
                 lambda: self._client.upload_part(
@@ -369,7 +368,7 @@ class S3Remote:
                 ordered_map(send, chunks(), window=self.config.concurrency, failed=failed, name="uploader-put")
             ) as sent:
                 parts = list(sent)
-            if read != size or (blocks.hexdigest() if blocks is not None else digest.hexdigest()) != sha256:
+            if read != size or digest.hexdigest() != sha256:
                 raise CorruptCheckpoint(f"{path} does not match its manifest (size or sha256); not uploading it")
             self._call(
                 f"complete multipart upload of {key}",
