@@ -58,11 +58,10 @@ class RemoteStore:
         if than is None:
             local = list_committed(folder)
             than = local[-1].step if local else -1
-        local_step = than
-        if newest is None or newest[0] <= local_step:
+        if newest is None or newest[0] <= than:
             return None
         pulled = pull_newest(self.remote, folder, abort=self._abort_pull)
-        if pulled is None or pulled.step <= local_step:
+        if pulled is None or pulled.step <= than:
             return None
         return pulled
 

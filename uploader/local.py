@@ -95,8 +95,8 @@ def commit(staging: Path, manifest: Manifest) -> LocalCheckpoint:
     """Write the manifest last, then rename the staging folder into place, durably.
 
     The data files must already be written, and fsynced by the caller unless another copy is durable
-    (a pull: uploader.sync). If a checkpoint of the same
-    step exists (a re-save after resume), it is replaced only after the new one is complete.
+    (a pull: uploader.sync). If a checkpoint of the same step exists (a re-save after resume), it is
+    replaced only after the new one is complete.
     """
     manifest_path = staging / MANIFEST_NAME
     with open(manifest_path, "wb") as f:

@@ -11,9 +11,9 @@ container and instance profiles). They are never passed around, printed or logge
 name the bucket and endpoint instead.
 
 Large files go up as multipart uploads and come down as ranged GETs, ``concurrency`` parts at a time
-(uploader.parallel), each file read or written once. Downloads are not fsynced (Remote.get_file). Format 2 files (block digests) are hashed by
-the thread that moves each part, with ranges and parts rounded up to whole blocks; format 1 files
-(one plain sha256) are hashed in order.
+(uploader.parallel), each file read or written once; downloads are not fsynced (Remote.get_file).
+Format 2 files (block digests) are hashed by the thread that moves each part, with ranges and parts
+rounded up to whole blocks; format 1 files (one plain sha256) are hashed in order.
 """
 from __future__ import annotations
 
