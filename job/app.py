@@ -165,8 +165,7 @@ def choose(cfg: CheckpointConfig, checkpointer: Checkpointer, store: RemoteStore
     else:
         pulled = store.pull_if_newer(cfg.folder) if store is not None else None
     if store is not None and pulled is not None:
-        # Verified byte for byte while it streamed to disk: hashing it again would only delay the resume.
-        return pulled.path, pulled.manifest(), store.describe(pulled)
+        return _resume_from_pull(store, pulled)
     found = checkpointer.newest()
     committed = local.list_committed(cfg.folder)
     if store is not None and committed and (found is None or found[0].step < committed[-1].step):
@@ -174,11 +173,16 @@ def choose(cfg: CheckpointConfig, checkpointer: Checkpointer, store: RemoteStore
         # and was skipped: the bucket may still hold it, or something newer than the older local one.
         pulled = store.pull_if_newer(cfg.folder, than=found[0].step if found is not None else -1)
         if pulled is not None:
-            return pulled.path, pulled.manifest(), store.describe(pulled)
+            return _resume_from_pull(store, pulled)
     if found is None:
         return None
     ckpt, manifest = found
     return ckpt.path, manifest, str(ckpt.path)
+
+
+def _resume_from_pull(store: RemoteStore, pulled: LocalCheckpoint) -> tuple[Path, Manifest, str]:
+    # Verified byte for byte while it streamed to disk: hashing it again would only delay the resume.
+    return pulled.path, pulled.manifest(), store.describe(pulled)
 
 
 def resume(state: State, cfg: CheckpointConfig, checkpointer: Checkpointer, meta: dict[str, Any],
