@@ -27,8 +27,6 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # tests.support is imported from the repository root
     sys.path.insert(0, str(REPO))
 
-from uploader.hashing import BLOCK_SIZE, StreamDigest  # noqa: E402  (after the sys.path fix)
-
 T = TypeVar("T")
 MB = 1_000_000
 MiB = 1024 * 1024
@@ -263,30 +261,3 @@ def aws_environment(env: Mapping[str, str]) -> Iterator[None]:
     finally:
         os.environ.clear()
         os.environ.update(saved)
-
-
-def random_checkpoint(folder: Path, step: int, files: Mapping[str, int], chunk: int = 64 * MiB,
-                      block_size: int | None = BLOCK_SIZE) -> Any:
-    """A committed local checkpoint of random (incompressible) bytes, written in chunks so that any size
-    works (tests.support.checkpoints.make_checkpoint draws each file in one randbytes call, which
-    overflows at 256 MiB). ``block_size`` None writes format 1 digests (a plain sha256)."""
-    from uploader.local import commit, staging_dir
-    from uploader.manifest import FileEntry, Manifest
-
-    staging = staging_dir(folder, step)
-    entries = []
-    for relpath, size in files.items():
-        path = staging / relpath
-        path.parent.mkdir(parents=True, exist_ok=True)
-        digest = StreamDigest(block_size)
-        with open(path, "wb") as f:
-            left = size
-            while left:
-                data = os.urandom(min(chunk, left))
-                f.write(data)
-                digest.update(memoryview(data))
-                left -= len(data)
-            f.flush()
-            os.fsync(f.fileno())
-        entries.append(FileEntry(path=relpath, size=size, sha256=digest.hexdigest(), block_size=block_size))
-    return commit(staging, Manifest(step=step, files=tuple(entries), timer={"epoch": 0, "batch": step}))

@@ -35,7 +35,8 @@ if __package__ in (None, ""):  # run as `python bench/download_breakdown.py`
 
 from uploader.hashing import fsync_path, sha256_file
 from bench.common import (MB, MiB, interleaved, median, parser, print_machine, progress,
-                          random_checkpoint, s3_bucket, scratch, venv_binary)
+                          s3_bucket, scratch, venv_binary)
+from tests.support.checkpoints import make_checkpoint
 
 FILE = "state.pt"
 
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     with scratch("download", args.tmpdir) as workdir, s3_bucket(workdir) as bucket:
         config = UploadConfig(endpoint_url=bucket.endpoint_url, addressing="path", part_size=args.part_size * MiB,
                               concurrency=args.concurrency)
-        ckpt = random_checkpoint(workdir / "local", step=1, files={FILE: size})
+        ckpt = make_checkpoint(workdir / "local", step=1, files={FILE: size})
         entry = ckpt.manifest().files[0]
         plain_sha256 = sha256_file(ckpt.path / FILE)[1]  # the same file's format 1 digest
         remote = open_remote(bucket.url("seed"), config)

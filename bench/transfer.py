@@ -35,7 +35,8 @@ if __package__ in (None, ""):  # run as `python bench/transfer.py`
 
 from uploader.hashing import fsync_path
 from bench.common import (MB, GiB, MiB, interleaved, median, parser, print_machine, progress,
-                          random_checkpoint, ratio, s3_bucket, scratch, venv_binary)
+                          ratio, s3_bucket, scratch, venv_binary)
+from tests.support.checkpoints import make_checkpoint
 
 TARGET = 1.0
 FILE = "state.pt"
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         progress(f"{size / MiB:g} MiB checkpoint; ours: part {config.part_size // MiB} MiB x {config.concurrency} "
                  f"in flight, multipart from {config.multipart_threshold // MiB} MiB; "
                  f"s5cmd flags: {s5_flags or 'defaults'}")
-        ckpt = random_checkpoint(workdir / "local", step=1, files={FILE: size})
+        ckpt = make_checkpoint(workdir / "local", step=1, files={FILE: size})
         s5 = S5cmd(bucket.endpoint_url)
         seed = open_remote(bucket.url("seed"), config)
         push(ckpt, seed, keep=1)  # what both downloads fetch

@@ -9,11 +9,14 @@ import random
 from collections.abc import Mapping
 from pathlib import Path
 
-from uploader.hashing import BLOCK_SIZE, file_digest
+from uploader.hashing import BLOCK_SIZE, StreamDigest
 from uploader.local import LocalCheckpoint, commit, staging_dir
 from uploader.manifest import FORMAT_VERSION, FileEntry, Manifest
 from uploader.remote import Remote
 from uploader.sync import list_remote
+
+# randbytes of one call overflows at 256 MiB; the benchmarks write 1 GiB files through here.
+CHUNK = 64 * 1024 * 1024
 
 # A few files, one of them in a sub-folder; sizes small enough to be quick everywhere.
 SMALL_FILES: Mapping[str, int] = {"model.pt": 200_000, "optim.pt": 50_000, "rng/state.bin": 1_000, "empty": 0}
@@ -25,7 +28,8 @@ def make_checkpoint(
     folder: Path, step: int, files: Mapping[str, int] = SMALL_FILES, *, seed: int | None = None,
     block_size: int | None = BLOCK_SIZE, format_version: int = FORMAT_VERSION,
 ) -> LocalCheckpoint:
-    """Write ``files`` (relative path -> size) with random bytes into a staging folder and commit it.
+    """Write ``files`` (relative path -> size) with random (incompressible) bytes into a staging folder
+    and commit it. Any size works: the bytes are drawn and hashed a chunk at a time.
 
     ``block_size`` None with ``format_version=1`` is a checkpoint as the first release wrote it."""
     rng = random.Random(step if seed is None else seed)
@@ -34,12 +38,15 @@ def make_checkpoint(
     for relpath, size in files.items():
         path = staging / relpath
         path.parent.mkdir(parents=True, exist_ok=True)
+        digest = StreamDigest(block_size)
         with open(path, "wb") as f:
-            f.write(rng.randbytes(size))
+            for start in range(0, size, CHUNK):
+                data = rng.randbytes(min(CHUNK, size - start))
+                f.write(data)
+                digest.update(memoryview(data))
             f.flush()
             os.fsync(f.fileno())
-        size_read, digest = file_digest(path, block_size)
-        entries.append(FileEntry(path=relpath, size=size_read, sha256=digest, block_size=block_size))
+        entries.append(FileEntry(path=relpath, size=size, sha256=digest.hexdigest(), block_size=block_size))
     manifest = Manifest(step=step, files=tuple(entries), timer={"epoch": 0, "batch": step}, format_version=format_version)
     return commit(staging, manifest)
 
