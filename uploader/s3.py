@@ -57,13 +57,12 @@ SHA256_METADATA = "sha256"  # sent as the x-amz-meta-sha256 header
 DELETE_BATCH = 1000  # the most keys one DeleteObjects request takes
 # Downloads stream through buffers of this size (one per worker, one for hashing), never part-sized ones.
 STREAM_CHUNK = 1 * MiB
-# Each chunk goes to the page cache in writes of this size, not whole. The kernel sizes the folio of
-# a buffered write by the write's length (large folios, ext4 on Linux >= 6.16), and on a VM with
-# free page reporting (Firecracker's balloon) large folios are the expensive ones: they need large
-# free blocks, which are what the guest has handed back to the host, so each first touch faults
-# there. Measured on this project's 2-core VM (BENCHMARKS.md, "Fifth session"): a 1 GiB pull took
-# 4.1 s in the median with 1 MiB writes and 2.1 s with 32 KiB ones; into warm memory 1 MiB writes
-# would save about 0.08 s of kernel time per GiB.
+# Each received chunk goes to the page cache in writes of this size, not whole. Measured on this
+# project's 2-core VM (Firecracker, kernel 6.18, ext4 with large folios; BENCHMARKS.md, "Fifth
+# session"): a 1 GiB get_file took 3.96 s with 1 MiB writes and 2.22 s with 32 KiB ones, the
+# difference all kernel time (3.37 vs 1.32 s). The kernel sizes a buffered write's folio by its
+# length; why large ones cost so much more here, only while a download runs, is not established.
+# Writing alone (no download), the two sizes took the same median time (0.35 vs 0.34 s per GiB).
 WRITE_SLICE = 32 * KiB
 
 _AUTH_CODES = frozenset(
