@@ -459,7 +459,8 @@ def _either(failed: threading.Event | None, abort: threading.Event | None) -> Ca
 def _stream_into(body: Any, fd: int, offset: int, length: int, chunk: bytearray, write_lock: threading.Lock,
                  hasher: RangeHasher | None = None) -> None:
     """Copy a response body of ``length`` bytes to ``fd`` at ``offset``, one reused chunk at a time,
-    hashing each chunk (format 2) while it is still in this thread's cache.
+    hashing each chunk (format 2) while it is still in this thread's cache, and writing it in
+    WRITE_SLICE pieces.
 
     Reads go straight from the socket into ``chunk`` (http.client's ``readinto`` under urllib3), with
     no intermediate bytes objects; bodies without that path (other HTTP stacks) fall back to
