@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.support.jobs import REPO, inspect, job_env
+from tests.support.jobs import JobProcess, inspect, job_env
 from tests.support.polling import wait_until
 from tests.support.procs import worker_of_rank
 
@@ -25,12 +25,15 @@ def torchrun(*extra: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    import subprocess
-
+    # A JobProcess, not subprocess.run: a run that hangs prints every rank's stacks into the error,
+    # and its workers (in sessions of their own) are killed with the launcher instead of outliving it.
     folder = tmp_path_factory.mktemp("straight2")
-    done = subprocess.run(torchrun() + ["--save-folder", str(folder)], cwd=REPO, env=job_env(),
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    proc = JobProcess(torchrun() + ["--save-folder", str(folder)], env=job_env())
+    try:
+        code = proc.wait(300)
+    finally:
+        proc.kill()
+    assert code == 0, proc.stderr[-3000:]
     return inspect(folder)
 
 
