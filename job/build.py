@@ -101,8 +101,10 @@ def build(cfg: TrainConfig) -> Run:
     mesh = None
     if cfg.sharded:
         mesh = shard_model(model, device, world)
+        distributed.keep_until_exit(mesh)
     elif world > 1:
         model = DistributedDataParallel(model, device_ids=[torch.cuda.current_device()] if device.type == "cuda" else None)
+        distributed.keep_until_exit(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
     steps = total_batches(cfg, len(sampler))
     schedulers = [torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)] if steps else []

@@ -23,6 +23,7 @@ PER_RANK_KEYS = ("rng", "train_metrics")
 PER_RANK = "per_rank"
 
 _joined = False  # set once this process joins a process group; stays set after shutdown()
+_kept: list[object] = []  # what holds a process group, never freed before os._exit (keep_until_exit)
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,17 @@ def joined() -> bool:
     in take_gil inside ~AsyncBarrierWork).
     """
     return _joined
+
+
+def keep_until_exit(holder: object) -> None:
+    """Never free ``holder`` (DDP's model, a device mesh): the process leaves with ``os._exit``.
+
+    os._exit alone (joined) is not enough: when the function that built the model returns, its frame
+    frees the model, and DDP's Reducer takes the last reference to the gloo group with it, in the
+    deadlock :func:`joined` describes, before os._exit is reached (seen again in CI: the main thread
+    in ~ProcessGroupGloo from ~Reducer from a frame being cleared, after the "finished" event).
+    """
+    _kept.append(holder)
 
 
 def active() -> bool:
