@@ -29,7 +29,8 @@ if str(REPO) not in sys.path:  # tests.support is imported from the repository r
 
 T = TypeVar("T")
 MB = 1_000_000
-MiB = 1024 * 1024
+KiB = 1024
+MiB = 1024 * KiB
 GiB = 1024 * MiB
 DEFAULT_TMPDIR = Path("/tmp")
 

@@ -9,6 +9,8 @@ all fetching the same object from the same SeaweedFS server with the same part s
   bucket's: uploader.sync, "Pull").
 * ``get_file_1mib``: the same, each received 1 MiB chunk written to the page cache whole instead of
   in ``uploader.s3.WRITE_SLICE`` (32 KiB) pieces, as before the fifth session (BENCHMARKS.md).
+* ``get_file_<N>k`` (one per ``--slice-kib N``): the same, written in N KiB pieces instead: how
+  WRITE_SLICE's size was chosen.
 * ``get_file_v1``: the same object as a format 1 entry (plain sha256): finished ranges are hashed in
   order from the page cache, on one thread.
 * ``no_hash``: format 1's path without its sha256 pass (and without its check).
@@ -36,7 +38,7 @@ if __package__ in (None, ""):  # run as `python bench/download_breakdown.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from uploader.hashing import fsync_path, sha256_file
-from bench.common import (MB, MiB, interleaved, median, parser, print_machine, progress,
+from bench.common import (MB, KiB, MiB, interleaved, median, parser, print_machine, progress,
                           s3_bucket, scratch, venv_binary)
 from tests.support.checkpoints import make_checkpoint
 
@@ -66,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size-mib", type=int, default=1024)
     p.add_argument("--part-size", type=int, default=16, help="MiB, for every arm of ours")
     p.add_argument("--concurrency", type=int, default=8, help="for every arm of ours")
+    p.add_argument("--slice-kib", type=int, action="append", default=[],
+                   help="add an arm get_file_<N>k writing in N KiB pieces (repeatable)")
+    p.add_argument("--arms", default="all",
+                   help="comma-separated arms to run (get_file, s5cmd and the --slice-kib arms always run)")
     args = p.parse_args(argv)
     size = (16 if args.smoke else args.size_mib) * MiB
     rounds = args.rounds or (1 if args.smoke else 5)
@@ -126,6 +132,13 @@ def main(argv: list[str] | None = None) -> int:
                 "net_write": ours("hash_range", "start_writeback"),
                 "net_only": ours("hash_range", "start_writeback", "pwrite_all"),
                 "s5cmd": s5cmd, "s5cmd+fsync": s5cmd_fsync}
+        sliced = {f"get_file_{n}k": ours(write_slice=n * KiB) for n in args.slice_kib}
+        arms.update(sliced)
+        if args.arms != "all":
+            wanted = {"get_file", "s5cmd", *sliced, *args.arms.split(",")}
+            if unknown := wanted - arms.keys():
+                p.error(f"unknown arm(s) {', '.join(sorted(unknown))}; the arms are {', '.join(arms)}")
+            arms = {name: fn for name, fn in arms.items() if name in wanted}
         results = interleaved({name: arm(fn) for name, fn in arms.items()}, rounds=rounds, log=progress)
         remote.close()
 
@@ -136,9 +149,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name:12s} {size / m['wall'] / MB:6.0f} MB/s ({m['wall']:.2f} s, best {best[name]:.2f} s), "
               f"client CPU user {m['user']:.2f} s + sys {m['sys']:.2f} s")
     print(f"ratio get_file/s5cmd = {med['s5cmd']['wall'] / med['get_file']['wall']:.3g} (median), "
-          f"{best['s5cmd'] / best['get_file']:.3g} (best); vs s5cmd+fsync: "
-          f"{med['s5cmd+fsync']['wall'] / med['get_file']['wall']:.3g} (median) "
-          "(throughput, >= 1 means ours is faster)", flush=True)
+          f"{best['s5cmd'] / best['get_file']:.3g} (best)"
+          + (f"; vs s5cmd+fsync: {med['s5cmd+fsync']['wall'] / med['get_file']['wall']:.3g} (median)"
+             if "s5cmd+fsync" in med else "")
+          + " (throughput, >= 1 means ours is faster)", flush=True)
     return 0
 
 

@@ -65,6 +65,26 @@ def test_download_breakdown_smoke():
     assert_ends_with_ratio(run_bench("download_breakdown", "--smoke"))
 
 
+@pytest.mark.slow
+@pytest.mark.s3
+def test_download_breakdown_runs_only_the_arms_asked_for():
+    needs_s3_tools()
+    done = run_bench("download_breakdown", "--smoke", "--slice-kib", "8", "--arms", "no_hash")
+    assert_ends_with_ratio(done)
+    arms = {line.split()[0] for line in done.stdout.splitlines() if "MB/s (" in line}
+    assert arms == {"get_file", "get_file_8k", "no_hash", "s5cmd"}, done.stdout
+    assert "s5cmd+fsync" not in done.stdout.splitlines()[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.s3
+def test_download_breakdown_names_an_unknown_arm():
+    needs_s3_tools()
+    done = run_bench("download_breakdown", "--smoke", "--arms", "nonsense")
+    assert done.returncode == 2
+    assert "unknown arm(s) nonsense; the arms are get_file," in done.stderr
+
+
 def test_gpu_check_is_a_runnable_script_without_a_gpu():
     """The GPU check cannot run here; at least its options parse and it prints the commands it would run."""
     for args in (["--help"], ["--dry-run"]):
