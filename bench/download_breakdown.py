@@ -73,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arms", default="all",
                    help="comma-separated arms to run (get_file, s5cmd and the --slice-kib arms always run)")
     args = p.parse_args(argv)
+    if any(n <= 0 for n in args.slice_kib):
+        p.error("--slice-kib takes a positive number of KiB")
     size = (16 if args.smoke else args.size_mib) * MiB
     rounds = args.rounds or (1 if args.smoke else 5)
     print_machine(args.tmpdir)
