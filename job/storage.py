@@ -14,7 +14,7 @@ from pathlib import Path
 
 from uploader.config import UploadConfig
 from uploader.local import LocalCheckpoint, list_committed
-from uploader.remote import Remote, open_remote
+from uploader.remote import Remote, check_url, open_remote
 from uploader.sync import newest_complete, pull_newest
 from uploader.worker import BackgroundUploader
 
@@ -32,8 +32,11 @@ class RemoteConfig:
     def __post_init__(self) -> None:
         if self.mode not in UPLOAD_MODES:
             raise ValueError(f"--upload must be one of {', '.join(UPLOAD_MODES)}, not {self.mode!r}")
-        if self.url is not None and not self.url.startswith(("s3://", "file://")):
-            raise ValueError(f"--remote {self.url!r}: use s3://bucket/prefix or file:///path")
+        if self.url is not None:
+            try:
+                check_url(self.url)
+            except ValueError as e:
+                raise ValueError(f"--remote: {e}") from None
 
 
 class RemoteStore:

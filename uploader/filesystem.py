@@ -18,11 +18,10 @@ import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO
-from urllib.parse import urlparse
 
 from uploader.exceptions import Aborted, BucketNotFound, CorruptCheckpoint, StorageError
 from uploader.hashing import CHUNK, StreamDigest, fsync_path
-from uploader.remote import ObjectInfo, OnBytes
+from uploader.remote import ObjectInfo, OnBytes, file_location
 
 logger = logging.getLogger(__name__)
 
@@ -41,10 +40,7 @@ class FileRemote:
 
     @classmethod
     def from_url(cls, url: str) -> FileRemote:
-        parsed = urlparse(url)
-        if parsed.scheme != "file" or parsed.netloc not in ("", "localhost") or not parsed.path.startswith("/"):
-            raise ValueError(f"not a file remote: {url!r}; expected file:///absolute/path (three slashes)")
-        return cls(Path(parsed.path))
+        return cls(file_location(url))
 
     def describe(self) -> str:
         return f"folder {str(self.root)!r}"

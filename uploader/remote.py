@@ -99,22 +99,50 @@ class Remote(Protocol):
         ...
 
 
+def s3_location(url: str) -> tuple[str, str]:
+    """(bucket, prefix) of ``s3://bucket/prefix``; ValueError, saying what is expected, otherwise."""
+    parsed = urlparse(url)
+    if parsed.scheme != "s3" or not parsed.netloc or parsed.query or parsed.fragment:
+        raise ValueError(f"not an S3 remote: {url!r}; expected s3://bucket/prefix")
+    return parsed.netloc, parsed.path
+
+
+def file_location(url: str) -> Path:
+    """The folder of ``file:///absolute/path``; ValueError otherwise (``file://relative`` is a typo
+    that would name a host)."""
+    parsed = urlparse(url)
+    if parsed.scheme != "file" or parsed.netloc not in ("", "localhost") or not parsed.path.startswith("/"):
+        raise ValueError(f"not a file remote: {url!r}; expected file:///absolute/path (three slashes)")
+    return Path(parsed.path)
+
+
+def check_url(url: str) -> None:
+    """Raise ValueError unless open_remote would accept ``url``: a typo fails as bad configuration
+    at start-up, before anything is built, and without importing a backend."""
+    scheme = urlparse(url).scheme
+    if scheme == "s3":
+        s3_location(url)
+    elif scheme == "file":
+        file_location(url)
+    else:
+        raise ValueError(_UNSUPPORTED.format(url=url))
+
+
+_UNSUPPORTED = ("unsupported remote {url!r}: use s3://bucket/prefix (S3 or an S3-compatible server) "
+                "or file:///absolute/path (a shared volume)")
+
+
 def open_remote(url: str, config: UploadConfig) -> Remote:
     """A Remote for ``s3://bucket/prefix`` or ``file:///absolute/path``; ValueError for anything else.
 
     No request is made here: a wrong bucket or credentials show up (as BucketNotFound / AuthError)
     on the first operation. The backends are imported here so that file:// never loads boto3.
     """
-    scheme = urlparse(url).scheme
-    if scheme == "s3":
+    check_url(url)
+    if urlparse(url).scheme == "s3":
         from uploader.s3 import S3Remote
 
         return S3Remote.from_url(url, config)
-    if scheme == "file":
-        from uploader.filesystem import FileRemote
+    from uploader.filesystem import FileRemote
 
-        return FileRemote.from_url(url)
-    raise ValueError(
-        f"unsupported remote {url!r}: use s3://bucket/prefix (S3 or an S3-compatible server) "
-        f"or file:///absolute/path (a shared volume)"
-    )
+    return FileRemote.from_url(url)

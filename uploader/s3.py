@@ -27,7 +27,6 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
-from urllib.parse import urlparse
 
 import boto3
 from botocore import exceptions as boto_errors
@@ -46,7 +45,7 @@ from uploader.exceptions import (
 )
 from uploader.hashing import PartDigest, RangeHasher, align_up, digest_bytes, hash_range, pwrite_all, start_writeback
 from uploader.parallel import ordered_map
-from uploader.remote import ObjectInfo, OnBytes
+from uploader.remote import ObjectInfo, OnBytes, s3_location
 from uploader.retry import describe, error_code, is_transient, retrying
 
 logger = logging.getLogger(__name__)
@@ -124,10 +123,8 @@ class S3Remote:
 
     @classmethod
     def from_url(cls, url: str, config: UploadConfig) -> S3Remote:
-        parsed = urlparse(url)
-        if parsed.scheme != "s3" or not parsed.netloc or parsed.query or parsed.fragment:
-            raise ValueError(f"not an S3 remote: {url!r}; expected s3://bucket/prefix")
-        return cls(parsed.netloc, parsed.path, config)
+        bucket, prefix = s3_location(url)
+        return cls(bucket, prefix, config)
 
     @property
     def endpoint(self) -> str:

@@ -35,6 +35,8 @@ def run_main(capsys, *argv: str) -> tuple[int, str, str]:
         (["train", "--model", "no_such_pkg.mod:fn"], "--model"),
         (["train", "--data", "spirals-but-typo"], "--data"),
         (["train", "--bogus"], "--bogus"),
+        (["train", "--remote", "s3://"], "--remote: not an S3 remote"),
+        (["train", "--remote", "file://relative/path"], "three slashes"),
         (["inspect", "/nonexistent/checkpoint"], "/nonexistent/checkpoint"),
     ],
 )

@@ -5,7 +5,7 @@ import pytest
 
 from uploader.config import MAX_PARTS, MiB, UploadConfig
 from uploader.filesystem import FileRemote
-from uploader.remote import open_remote
+from uploader.remote import check_url, open_remote
 from uploader.s3 import S3Remote, part_size_for
 
 
@@ -51,6 +51,8 @@ def test_open_remote_parses_supported_urls(url: str, kind: type, where: str) -> 
 def test_open_remote_refuses_other_urls(url: str) -> None:
     with pytest.raises(ValueError, match="s3://bucket|file:///"):
         open_remote(url, UploadConfig())
+    with pytest.raises(ValueError, match="s3://bucket|file:///"):
+        check_url(url)  # what the job checks its --remote with, before opening anything
 
 
 @pytest.mark.parametrize(("size", "expected"), [(10 * MiB, 16 * MiB), (16 * MiB * MAX_PARTS, 16 * MiB),
