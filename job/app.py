@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from job.build import build
 from job import distributed
-from job.checkpoint import Checkpointer, check_settings, load_shard, load_state_file, open_checkpoint, restore
+from job.checkpoint import Checkpointer, check_settings, claim_folder, load_shard, load_state_file, open_checkpoint, restore
 from job.exceptions import CheckpointLoadError
 from job.config import CheckpointConfig, TrainConfig
 from job.exceptions import ConfigError
@@ -269,6 +269,8 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
     """Train to max_duration, or until ``stop`` is requested; always ending on a committed checkpoint."""
     stop = stop or StopRequest(grace_period=float("inf"))
     leader = distributed.rank() == 0
+    if leader:
+        claim_folder(ckpt_cfg.folder)
     store = RemoteStore(remote_cfg) if leader and remote_cfg is not None and remote_cfg.url else None
     # The newest remote checkpoint downloads while the model is built: a resume waits for the larger one.
     pulling = store.start_pull(ckpt_cfg.folder) if store is not None and ckpt_cfg.resume == "auto" else None
@@ -289,8 +291,6 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
             cadence.last_step = state.timer.batch.value
         if ckpt_cfg.async_save:
             checkpointer.reserve(state)
-        if leader:
-            local.clear_finished(ckpt_cfg.folder)
         spot_handler = SpotHandler(spot, stop) if spot is not None else None
         stopping = False
 

@@ -6,6 +6,7 @@ with the sidecar); this module adds what needs torch: serializing the State and 
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
@@ -235,6 +236,30 @@ class Checkpointer:
     def newest(self) -> tuple[local.LocalCheckpoint, Manifest] | None:
         local.clean_staging(self.folder)
         return local.newest_verified(self.folder)
+
+
+
+def claim_folder(folder: Path) -> None:
+    """Fail at start-up, not at the first save one interval later, when ``folder`` cannot be written;
+    and clear an older run's FINISHED marker (a job that starts is not finished: uploader.watch).
+
+    Nothing is created here: a folder that does not exist yet is judged by the nearest one above it
+    that does, and made by the first save or pull, so a run refused for a bad flag leaves no trace.
+    """
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    try:
+        if not existing.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
+        if not os.access(existing, os.W_OK | os.X_OK):  # EROFS shows up here too
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+        local.clear_finished(folder)
+    except OSError as e:
+        raise CheckpointWriteError(
+            f"cannot write checkpoints to {folder}: {e.strerror or e}; make it writable for this user "
+            f"(uid {os.getuid()}) or choose another --save-folder (existing checkpoints are untouched)"
+        ) from None
 
 
 def _yield_cpu_to_training() -> None:

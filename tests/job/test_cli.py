@@ -115,6 +115,32 @@ def test_full_disk_fails_clearly_and_keeps_the_last_good_checkpoint(tmp_path):
     assert not [p for p in folder.iterdir() if p.name.startswith(local.STAGING_PREFIX)]
 
 
+def test_unwritable_save_folder_fails_at_start_up(tmp_path):
+    """A save folder that cannot be written fails before any training (not one save interval later),
+    with exit 7 and one line. A regular file in its path stands for a permission problem: root, which
+    runs these tests in CI, may write anywhere."""
+    (tmp_path / "a-file").write_text("")
+    done = run_job("train", *TINY_ARGS, "--save-folder", str(tmp_path / "a-file" / "ck"))
+    assert done.returncode == 7, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"job: error: cannot write checkpoints to {tmp_path / 'a-file' / 'ck'}: Not a directory")
+    assert not [e for e in events(done.stderr) if e["event"] in ("progress", "checkpoint")]
+
+
+def test_an_older_runs_marker_that_cannot_be_cleared_is_a_write_error(tmp_path):
+    folder = tmp_path / "ck"
+    assert run_job("train", *TINY_ARGS, "--save-folder", str(folder)).returncode == 0
+    before = inspect(folder)
+    (folder / local.FINISHED_NAME).unlink()
+    (folder / local.FINISHED_NAME).mkdir()  # unlink() fails on it, as it does in a folder not ours
+    (folder / local.FINISHED_NAME / "x").write_text("")
+    done = run_job("train", *TINY_ARGS, "--max-duration", "60ba", "--save-folder", str(folder))
+    assert done.returncode == 7, done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith(f"job: error: cannot write checkpoints to {folder}")
+    assert "Traceback" not in done.stderr
+    assert inspect(folder) == before
+
+
 def test_default_run_learns(tmp_path):
     """`job train` with no arguments: the built-in model visibly learns (eval accuracy rises)."""
     done = run_job("train", cwd=tmp_path, env=job_env())
