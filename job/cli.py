@@ -125,11 +125,11 @@ def _dump_stacks_on_sigusr1() -> None:
 @option("--save-folder", type=click.Path(file_okay=False, path_type=Path), default=Path("checkpoints"),
         help="Local checkpoint folder.")
 @option("--save-interval", type=IntervalType(), default="5m", help="Checkpoint every N ba/ep or wall clock (90s, 5m).")
-@option("--keep", type=int, default=3, help="Keep the newest N local checkpoints.")
+@option("--keep", type=int, default=3, help="Keep the newest N checkpoints, locally and in the remote.")
 @option("--async-save/--sync-save", default=True,
         help="async: block only for a copy into host memory and write in the background (a checkpoint due "
-             "while the last is still being written waits for it); sync: every checkpoint durable before "
-             "training goes on.")
+             "while the last is still being written is deferred to the first step after it, never waited "
+             "for); sync: every checkpoint durable before training goes on.")
 @option("--resume", default="auto", help="auto (newest complete checkpoint), never, or a checkpoint folder PATH.")
 @option("--remote", default=None, help="s3://bucket/prefix or file:///path: pull on start-up, upload checkpoints.")
 @option("--upload", type=click.Choice(UPLOAD_MODES), default="inprocess",
@@ -144,7 +144,8 @@ def _dump_stacks_on_sigusr1() -> None:
 @option("--spot-poll-interval", type=click.FloatRange(min=0.1), default=5.0, help="Seconds between notice polls.")
 @option("--log-format", type=click.Choice(["auto", "text", "json"]), default="auto",
         help="auto: text on a terminal, JSON lines otherwise.")
-@option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info")
+@option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
+        help="Least severe log records shown (stderr).")
 def train(**o: Any) -> None:
     """Train, checkpointing atomically, resuming from the newest complete checkpoint.
 
