@@ -14,6 +14,12 @@ class ManifestError(UploaderError):
     """A manifest that cannot be trusted: unknown format, bad JSON, or unsafe paths."""
 
 
+class UnsupportedFormat(ManifestError):
+    """A manifest from a newer spot-trainer (a higher format_version). Refused, never skipped like a
+    corrupt one: resuming from an older checkpoint instead would redo the work and then write over,
+    or prune, the newer checkpoint."""
+
+
 class CorruptCheckpoint(UploaderError):
     """A checkpoint whose files do not match its manifest (size or sha256), or are missing."""
 

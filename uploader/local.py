@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Collection
 
-from uploader.exceptions import CorruptCheckpoint, ManifestError
+from uploader.exceptions import CorruptCheckpoint, ManifestError, UnsupportedFormat
 from uploader.hashing import fsync_path
 from uploader.manifest import MANIFEST_NAME, Manifest
 
@@ -69,11 +69,14 @@ def list_committed(folder: Path) -> list[LocalCheckpoint]:
 
 
 def newest_verified(folder: Path) -> tuple[LocalCheckpoint, Manifest] | None:
-    """The newest checkpoint whose files match its manifest; corrupt ones are skipped with a warning."""
+    """The newest checkpoint whose files match its manifest; corrupt ones are skipped with a warning,
+    one from a newer spot-trainer is refused (UnsupportedFormat)."""
     for ckpt in reversed(list_committed(folder)):
         try:
             manifest = ckpt.manifest()
             manifest.verify(ckpt.path)
+        except UnsupportedFormat as e:
+            raise UnsupportedFormat(f"checkpoint {ckpt.path}: {e}") from None
         except (CorruptCheckpoint, ManifestError) as e:
             logger.warning("skipping corrupt checkpoint %s: %s", ckpt.path, e)
             continue

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from uploader.exceptions import CorruptCheckpoint, ManifestError
+from uploader.exceptions import CorruptCheckpoint, ManifestError, UnsupportedFormat
 from uploader.hashing import file_digest
 
 MANIFEST_NAME = "manifest.json"
@@ -92,7 +92,8 @@ class Manifest:
             raise ManifestError("manifest is not a JSON object")
         version = doc.get("format_version")
         if isinstance(version, bool) or version not in SUPPORTED_FORMAT_VERSIONS:  # JSON true == 1 in Python
-            raise ManifestError(
+            newer = type(version) is int and version > max(SUPPORTED_FORMAT_VERSIONS)
+            raise (UnsupportedFormat if newer else ManifestError)(
                 f"manifest format_version {version!r} is not supported (this build reads "
                 f"{sorted(SUPPORTED_FORMAT_VERSIONS)}); upgrade spot-trainer"
             )

@@ -27,7 +27,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from uploader.exceptions import CorruptCheckpoint, ManifestError
+from uploader.exceptions import CorruptCheckpoint, ManifestError, UnsupportedFormat
 from uploader.layout import LATEST_KEY, checkpoint_of, data_key, latest_document, manifest_key
 from uploader.local import LocalCheckpoint, commit, list_committed, staging_dir
 from uploader.manifest import MANIFEST_NAME, Manifest
@@ -220,13 +220,16 @@ def _parse_or_none(raw: bytes) -> Manifest | None:
 
 
 def _remote_manifest(remote: Remote, ckpt: RemoteCheckpoint) -> Manifest | None:
-    """The parsed manifest of a complete remote checkpoint; None (with a warning) if unusable."""
+    """The parsed manifest of a complete remote checkpoint; None (with a warning) if unusable;
+    UnsupportedFormat if a newer spot-trainer wrote it."""
     raw = remote.read_bytes(manifest_key(ckpt.name))
     if raw is None:
         logger.warning("skipping remote %s: its manifest disappeared (retention running?)", ckpt.name)
         return None
     try:
         manifest = Manifest.from_json(raw)
+    except UnsupportedFormat as e:
+        raise UnsupportedFormat(f"{remote.url}/{ckpt.name}: {e}") from None
     except ManifestError as e:
         logger.warning("skipping remote %s: %s", ckpt.name, e)
         return None

@@ -141,6 +141,23 @@ def test_an_older_runs_marker_that_cannot_be_cleared_is_a_write_error(tmp_path):
     assert inspect(folder) == before
 
 
+def test_a_checkpoint_from_a_newer_build_is_refused_not_trained_over(tmp_path):
+    """Rolling back to an older image must not resume from the previous checkpoint and write over
+    the newer one: exit 6, one line asking for an upgrade, every checkpoint as it was."""
+    folder = tmp_path / "ck"
+    assert run_job("train", *TINY_ARGS, "--save-folder", str(folder), "--save-interval", "10ba").returncode == 0
+    newest = local.list_committed(folder)[-1].path / local.MANIFEST_NAME
+    newest.write_text(json.dumps({**json.loads(newest.read_text()), "format_version": 99}))
+    before = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file() and p.name != local.FINISHED_NAME}
+
+    done = run_job("train", *TINY_ARGS, "--max-duration", "60ba", "--save-folder", str(folder))
+    assert done.returncode == 6, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("job: error: checkpoint ") and "format_version 99" in last and "upgrade spot-trainer" in last
+    after = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file() and p.name != local.FINISHED_NAME}
+    assert after == before
+
+
 def test_default_run_learns(tmp_path):
     """`job train` with no arguments: the built-in model visibly learns (eval accuracy rises)."""
     done = run_job("train", cwd=tmp_path, env=job_env())

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from uploader.exceptions import CorruptCheckpoint, ManifestError
+from uploader.exceptions import CorruptCheckpoint, ManifestError, UnsupportedFormat
 from uploader.hashing import digest_bytes
 from uploader.manifest import FORMAT_VERSION, FileEntry, Manifest
 
@@ -59,5 +59,7 @@ def test_a_malformed_block_size_is_refused(bad: Any) -> None:
 
 @pytest.mark.parametrize("version", [0, 3, "2", None, True])
 def test_an_unknown_format_version_asks_for_an_upgrade(version: Any) -> None:
-    with pytest.raises(ManifestError, match="not supported.*upgrade spot-trainer"):
+    with pytest.raises(ManifestError, match="not supported.*upgrade spot-trainer") as raised:
         Manifest.from_json(doc(version))  # type: ignore[arg-type]
+    # Only a higher version is a newer build's (refused by resume and pull); the rest are damage (skipped).
+    assert isinstance(raised.value, UnsupportedFormat) == (version == 3)

@@ -18,10 +18,10 @@ from tests.support.checkpoints import (
     make_checkpoint,
 )
 from tests.support.recording import RecordingRemote
-from uploader.exceptions import CorruptCheckpoint
+from uploader.exceptions import CorruptCheckpoint, UnsupportedFormat
 from uploader.filesystem import FileRemote
 from uploader.layout import LATEST_KEY, data_key, manifest_key
-from uploader.local import STAGING_PREFIX, LocalCheckpoint, checkpoint_name, list_committed
+from uploader.local import STAGING_PREFIX, LocalCheckpoint, checkpoint_name, list_committed, newest_verified
 from uploader.remote import Remote
 from uploader.sync import list_remote, newest_complete, pull_newest, push, push_all
 
@@ -214,6 +214,32 @@ def test_corrupt_remote_checkpoint_is_skipped_for_the_previous_one(
     assert "sha256" in caplog.text and newest.name in caplog.text
     assert [c.step for c in list_committed(restore)] == [100]
     assert not [p for p in restore.iterdir() if p.name.startswith(STAGING_PREFIX)]
+
+
+def test_a_remote_checkpoint_of_a_newer_format_is_refused_not_skipped(remote: Remote, local: Path, restore: Path) -> None:
+    """An older build must not pull the previous checkpoint and then upload over the newer one."""
+    push(make_checkpoint(local, 100), remote, keep=3)
+    newest = make_checkpoint(local, 200)
+    push(newest, remote, keep=3)
+    doc = json.loads(remote.read_bytes(manifest_key(newest.name)) or b"")
+    doc["format_version"] = 99
+    remote.write_bytes(manifest_key(newest.name), json.dumps(doc).encode())
+
+    for look in (lambda: pull_newest(remote, restore), lambda: newest_complete(remote)):
+        with pytest.raises(UnsupportedFormat, match=f"{newest.name}: manifest format_version 99 .*upgrade spot-trainer"):
+            look()
+    assert list_committed(restore) == []
+    assert complete_steps(remote) == [100, 200]
+
+
+def test_a_local_checkpoint_of_a_newer_format_is_refused_not_skipped(local: Path) -> None:
+    make_checkpoint(local, 100)
+    newest = make_checkpoint(local, 200)
+    manifest = newest.path / "manifest.json"
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "format_version": 99}))
+
+    with pytest.raises(UnsupportedFormat, match=f"{newest.path}: manifest format_version 99"):
+        newest_verified(local)
 
 
 def test_pull_from_an_empty_remote_returns_none(remote: Remote, restore: Path) -> None:
