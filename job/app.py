@@ -175,6 +175,10 @@ def choose(cfg: CheckpointConfig, checkpointer: Checkpointer, store: RemoteStore
         if pulled is not None:
             return _resume_from_pull(store, pulled)
     if found is None:
+        if committed:  # starting from step 0 would silently throw away all of that work
+            raise CheckpointLoadError(
+                f"none of the {len(committed)} checkpoint(s) in {cfg.folder} verifies (see the warnings above); "
+                "restore one, or pass --resume never to start again from step 0")
         return None
     ckpt, manifest = found
     return ckpt.path, manifest, str(ckpt.path)

@@ -80,6 +80,20 @@ def test_resume_after_corruption_uses_previous_checkpoint(tiny_config, saved):
     assert state.timer.batch.value == 30  # resumed from the previous checkpoint, not from scratch
 
 
+def test_resume_refuses_when_every_checkpoint_is_corrupt(tiny_config, saved):
+    """Not a silent restart from step 0: the work in them may be recoverable, and --resume never says so."""
+    _, folder = saved
+    for step in (20, 30, 40):
+        _flip_byte(folder / local.checkpoint_name(step) / STATE_FILE)
+    before = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    with pytest.raises(CheckpointLoadError, match=r"none of the 3 checkpoint\(s\) in .* verifies.*--resume never"):
+        train_state(tiny_config(max_duration="40ba"), ckpt_config(folder, interval="10ba"), stop_at=0)
+    assert {p: p.read_bytes() for p in folder.rglob("*") if p.is_file() and p.name != local.FINISHED_NAME} == {
+        p: b for p, b in before.items() if p.name != local.FINISHED_NAME}
+    state = train_state(tiny_config(max_duration="10ba"), ckpt_config(folder, interval="10ba", resume="never"))
+    assert state.timer.batch.value == 10  # the way out the message names
+
+
 class _Exploit:
     def __init__(self, sentinel: Path) -> None:
         self.sentinel = sentinel
