@@ -48,6 +48,7 @@ from uploader.exceptions import (
     TransientStorageError,
     UploaderError,
 )
+from uploader.local import list_committed
 from uploader.remote import Remote, open_remote
 from uploader.sync import list_remote, pull_newest, push_all
 from uploader.watch import watch as watch_loop
@@ -169,6 +170,7 @@ def _open(url: str, config: UploadConfig) -> Remote:
 
 
 LOCAL = click.Path(file_okay=False, path_type=Path)
+EXISTING_LOCAL = click.Path(exists=True, file_okay=False, path_type=Path)  # a typo must not look like success
 HARD_STOP_MARGIN = 5.0  # seconds after --grace before `watch` exits whatever it is doing
 
 
@@ -179,12 +181,14 @@ def _hard_stop(grace: float) -> None:
 
 
 @main.command()
-@click.argument("local", type=LOCAL)
+@click.argument("local", type=EXISTING_LOCAL)
 @click.argument("remote_url", metavar="REMOTE")
 @click.pass_obj
 def sync(config: UploadConfig, local: Path, remote_url: str) -> None:
     """Upload every committed checkpoint in LOCAL that REMOTE lacks, then apply retention."""
     remote = _open(remote_url, config)
+    if not list_committed(local):
+        logger.warning("%s holds no committed checkpoint (a step-* folder with its manifest); nothing to upload", local)
     pushed = push_all(local, remote, config.keep)
     logger.info("sync done: %d checkpoint(s) uploaded%s", len(pushed), f" {pushed}" if pushed else "")
 

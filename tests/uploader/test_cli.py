@@ -51,14 +51,23 @@ def test_pull_with_no_checkpoint_exits_6_with_one_line(tmp_path: Path) -> None:
         (["--part-size", "1MiB", "ls", "file:///tmp/x"], "part_size"),
         (["--addressing", "sideways", "ls", "file:///tmp/x"], "sideways"),
         (["--endpoint-url", "127.0.0.1:9000", "ls", "s3://bucket/x"], "endpoint_url"),
+        (["sync", "/nonexistent/spot-trainer-checkpoints", "file:///tmp/x"], "does not exist"),
     ],
-    ids=["scheme", "relative-file-url", "part-size", "addressing", "endpoint-without-scheme"],
+    ids=["scheme", "relative-file-url", "part-size", "addressing", "endpoint-without-scheme", "sync-missing-local"],
 )
 def test_usage_errors_exit_2(args: list[str], says: str) -> None:
     result = run_cli(args, isolated_aws_env(ADMIN))
 
     assert result.returncode == 2
     assert says in result.stderr and "Traceback" not in result.stderr
+
+
+def test_sync_of_a_folder_without_checkpoints_says_so(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    result = run_cli(["sync", str(tmp_path / "empty"), f"file://{tmp_path / 'remote'}"], isolated_aws_env(ADMIN))
+
+    assert result.returncode == 0, result.stderr
+    assert "holds no committed checkpoint" in result.stderr
 
 
 def test_the_package_never_imports_torch() -> None:
