@@ -238,7 +238,6 @@ class Checkpointer:
         return local.newest_verified(self.folder)
 
 
-
 def claim_folder(folder: Path) -> None:
     """Fail at start-up, not at the first save one interval later, when ``folder`` cannot be written;
     and clear an older run's FINISHED marker (a job that starts is not finished: uploader.watch).
