@@ -353,8 +353,14 @@ def restore(state: State, tree: dict[str, Any], source: str) -> None:
     try:
         state.load_state_dict(tree)
     except (KeyError, RuntimeError, ValueError, TypeError) as e:
-        raise CheckpointLoadError(f"checkpoint {source} does not fit this model/optimizer: "
-                                  f"{str(e).splitlines()[0][:200]}") from None
+        # torch's first line only names the module ("Error(s) in loading state_dict for MLP:"); the
+        # next one says what differs.
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        detail = " ".join(lines[:2])
+        detail = detail if len(detail) <= 300 else detail[:297] + "..."
+        raise CheckpointLoadError(
+            f"checkpoint {source} does not fit this model/optimizer ({detail}); resume it with the --model it "
+            "was written with, or start a new run in another --save-folder/--remote") from None
 
 
 def model_sha256(model_state: dict[str, Any]) -> str:

@@ -158,6 +158,19 @@ def test_a_checkpoint_from_a_newer_build_is_refused_not_trained_over(tmp_path):
     assert after == before
 
 
+def test_a_checkpoint_of_another_model_says_what_differs_and_what_to_do(tmp_path):
+    folder = tmp_path / "ck"
+    assert run_job("train", *TINY_ARGS, "--save-folder", str(folder)).returncode == 0
+    before = inspect(folder)
+
+    done = run_job("train", *TINY_ARGS, "--max-duration", "60ba", "--model", "mlp-large", "--save-folder", str(folder))
+    assert done.returncode == 6, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert "does not fit this model/optimizer" in last and "size mismatch for" in last  # not just torch's header
+    assert "resume it with the --model it was written with" in last
+    assert inspect(folder) == before
+
+
 def test_default_run_learns(tmp_path):
     """`job train` with no arguments: the built-in model visibly learns (eval accuracy rises)."""
     done = run_job("train", cwd=tmp_path, env=job_env())
