@@ -11,6 +11,7 @@ import hashlib
 import logging
 import os
 import pickle
+import re
 import shutil
 import threading
 import time
@@ -315,9 +316,8 @@ def _load(path: Path) -> dict[str, Any]:
     try:
         loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointLoadError(
-            f"refusing to load {path}: it needs pickled code, which is never executed ({first[:160]}); "
+            f"refusing to load {path}: it needs pickled code, which is never executed ({_unpickler_reason(e)}); "
             "only checkpoints written by spot-trainer can be resumed"
         ) from None
     except FileNotFoundError:
@@ -347,6 +347,14 @@ def load_shard(folder: Path, mesh: Any) -> dict[str, Any]:
             "must be visible to every rank (one node, or a shared volume)")
     return sharded.decode(_load(path), mesh)
 
+
+
+def _unpickler_reason(e: pickle.UnpicklingError) -> str:
+    """The one sentence of torch's refusal that names what the file wanted (``Unsupported global:
+    GLOBAL getattr ...``). The rest is advice to retry with weights_only=False, which is never ours."""
+    found = re.search(r"WeightsUnpickler error: (.+?)(?:\.\s|\.?$)", str(e), re.MULTILINE)
+    reason = found.group(1) if found else (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return reason if len(reason) <= 160 else reason[:157] + "..."
 
 def restore(state: State, tree: dict[str, Any], source: str) -> None:
     """Load a state dict read by :func:`load_state_file` into ``state``."""
