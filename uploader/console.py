@@ -57,7 +57,7 @@ class JsonLinesHandler(logging.StreamHandler):  # type: ignore[type-arg]
     def emit(self, record: logging.LogRecord) -> None:
         try:
             doc: dict[str, Any] = {
-                "time": round(record.created, 3),
+                "ts": round(record.created, 3),  # the key the job's JSON logs use (job.logs)
                 "level": record.levelname.lower(),
                 "logger": record.name,
                 "message": record.getMessage(),

@@ -67,6 +67,7 @@ def test_json_lines_carry_the_progress_fields() -> None:
 
     doc = json.loads(stream.getvalue())
     assert doc["message"] == "upload: 50%" and doc["bytes"] == 5 and doc["total"] == 10 and doc["level"] == "info"
+    assert isinstance(doc["ts"], float) and "time" not in doc  # one timestamp key in job and uploader logs alike
 
 
 def test_ls_is_a_table_on_a_terminal_and_json_lines_otherwise() -> None:
