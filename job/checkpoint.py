@@ -348,13 +348,17 @@ def load_shard(folder: Path, mesh: Any) -> dict[str, Any]:
     return sharded.decode(_load(path), mesh)
 
 
-
 def _unpickler_reason(e: pickle.UnpicklingError) -> str:
     """The one sentence of torch's refusal that names what the file wanted (``Unsupported global:
     GLOBAL getattr ...``). The rest is advice to retry with weights_only=False, which is never ours."""
     found = re.search(r"WeightsUnpickler error: (.+?)(?:\.\s|\.?$)", str(e), re.MULTILINE)
-    reason = found.group(1) if found else (str(e).strip().splitlines() or [type(e).__name__])[0]
-    return reason if len(reason) <= 160 else reason[:157] + "..."
+    return _clip(found.group(1) if found else (str(e).strip().splitlines() or [type(e).__name__])[0], 160)
+
+
+def _clip(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters, with "..." when cut: error lines stay one readable line."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
 
 def restore(state: State, tree: dict[str, Any], source: str) -> None:
     """Load a state dict read by :func:`load_state_file` into ``state``."""
@@ -363,9 +367,7 @@ def restore(state: State, tree: dict[str, Any], source: str) -> None:
     except (KeyError, RuntimeError, ValueError, TypeError) as e:
         # torch's first line only names the module ("Error(s) in loading state_dict for MLP:"); the
         # next one says what differs.
-        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-        detail = " ".join(lines[:2])
-        detail = detail if len(detail) <= 300 else detail[:297] + "..."
+        detail = _clip(" ".join([line.strip() for line in str(e).splitlines() if line.strip()][:2]), 300)
         raise CheckpointLoadError(
             f"checkpoint {source} does not fit this model/optimizer ({detail}); resume it with the --model it "
             "was written with, or start a new run in another --save-folder/--remote") from None
