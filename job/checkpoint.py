@@ -350,7 +350,7 @@ def load_shard(folder: Path, mesh: Any) -> dict[str, Any]:
 
 def _unpickler_reason(e: pickle.UnpicklingError) -> str:
     """The one sentence of torch's refusal that names what the file wanted (``Unsupported global:
-    GLOBAL getattr ...``). The rest is advice to retry with weights_only=False, which is never ours."""
+    GLOBAL getattr ...``). The rest advises loading it without the weights-only guard, which this job never does."""
     found = re.search(r"WeightsUnpickler error: (.+?)(?:\.\s|\.?$)", str(e), re.MULTILINE)
     return _clip(found.group(1) if found else (str(e).strip().splitlines() or [type(e).__name__])[0], 160)
 
