@@ -116,6 +116,10 @@ def file_location(url: str) -> Path:
     return Path(parsed.path)
 
 
+_UNSUPPORTED = ("unsupported remote {url!r}: use s3://bucket/prefix (S3 or an S3-compatible server) "
+                "or file:///absolute/path (a shared volume)")
+
+
 def check_url(url: str) -> None:
     """Raise ValueError unless open_remote would accept ``url``: a typo fails as bad configuration
     at start-up, before anything is built, and without importing a backend."""
@@ -128,21 +132,20 @@ def check_url(url: str) -> None:
         raise ValueError(_UNSUPPORTED.format(url=url))
 
 
-_UNSUPPORTED = ("unsupported remote {url!r}: use s3://bucket/prefix (S3 or an S3-compatible server) "
-                "or file:///absolute/path (a shared volume)")
-
-
 def open_remote(url: str, config: UploadConfig) -> Remote:
-    """A Remote for ``s3://bucket/prefix`` or ``file:///absolute/path``; ValueError for anything else.
+    """A Remote for ``s3://bucket/prefix`` or ``file:///absolute/path``; ValueError for anything else
+    (each backend's from_url checks its own URL, with the functions check_url uses).
 
     No request is made here: a wrong bucket or credentials show up (as BucketNotFound / AuthError)
     on the first operation. The backends are imported here so that file:// never loads boto3.
     """
-    check_url(url)
-    if urlparse(url).scheme == "s3":
+    scheme = urlparse(url).scheme
+    if scheme == "s3":
         from uploader.s3 import S3Remote
 
         return S3Remote.from_url(url, config)
-    from uploader.filesystem import FileRemote
+    if scheme == "file":
+        from uploader.filesystem import FileRemote
 
-    return FileRemote.from_url(url)
+        return FileRemote.from_url(url)
+    raise ValueError(_UNSUPPORTED.format(url=url))
