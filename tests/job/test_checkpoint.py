@@ -12,6 +12,7 @@ import torch
 
 from job.checkpoint import STATE_FILE, Checkpointer, describe, load_state_file, model_sha256, open_checkpoint
 from job.exceptions import CheckpointLoadError
+from tests.support.checkpoints import checkpoints_of
 from tests.support.jobs import ckpt_config, train_state
 from uploader import local
 from uploader.hashing import BLOCK_SIZE, file_digest, sha256_file
@@ -85,11 +86,10 @@ def test_resume_refuses_when_every_checkpoint_is_corrupt(tiny_config, saved):
     _, folder = saved
     for step in (20, 30, 40):
         _flip_byte(folder / local.checkpoint_name(step) / STATE_FILE)
-    before = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    before = checkpoints_of(folder)
     with pytest.raises(CheckpointLoadError, match=r"none of the 3 checkpoint\(s\) in .* verifies.*--resume never"):
         train_state(tiny_config(max_duration="40ba"), ckpt_config(folder, interval="10ba"), stop_at=0)
-    assert {p: p.read_bytes() for p in folder.rglob("*") if p.is_file() and p.name != local.FINISHED_NAME} == {
-        p: b for p, b in before.items() if p.name != local.FINISHED_NAME}
+    assert checkpoints_of(folder) == before
     state = train_state(tiny_config(max_duration="10ba"), ckpt_config(folder, interval="10ba", resume="never"))
     assert state.timer.batch.value == 10  # the way out the message names
 

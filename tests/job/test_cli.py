@@ -8,6 +8,7 @@ import signal
 import pytest
 
 from job.cli import main
+from tests.support.checkpoints import checkpoints_of
 from tests.support.jobs import events, inspect, job_env, run_job
 from uploader import local
 
@@ -150,14 +151,13 @@ def test_a_checkpoint_from_a_newer_build_is_refused_not_trained_over(tmp_path):
     assert run_job("train", *TINY_ARGS, "--save-folder", str(folder), "--save-interval", "10ba").returncode == 0
     newest = local.list_committed(folder)[-1].path / local.MANIFEST_NAME
     newest.write_text(json.dumps({**json.loads(newest.read_text()), "format_version": 99}))
-    before = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file() and p.name != local.FINISHED_NAME}
+    before = checkpoints_of(folder)
 
     done = run_job("train", *TINY_ARGS, "--max-duration", "60ba", "--save-folder", str(folder))
     assert done.returncode == 6, done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("job: error: checkpoint ") and "format_version 99" in last and "upgrade spot-trainer" in last
-    after = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file() and p.name != local.FINISHED_NAME}
-    assert after == before
+    assert checkpoints_of(folder) == before
 
 
 def test_a_checkpoint_of_another_model_says_what_differs_and_what_to_do(tmp_path):

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from uploader.hashing import BLOCK_SIZE, StreamDigest
-from uploader.local import LocalCheckpoint, commit, staging_dir
+from uploader.local import FINISHED_NAME, LocalCheckpoint, commit, staging_dir
 from uploader.manifest import FORMAT_VERSION, FileEntry, Manifest
 from uploader.remote import Remote
 from uploader.sync import list_remote
@@ -54,6 +54,11 @@ def make_checkpoint(
 def files_of(ckpt_path: Path) -> dict[str, bytes]:
     """Every file of a checkpoint folder (manifest included), by relative path: compare two folders with ==."""
     return {p.relative_to(ckpt_path).as_posix(): p.read_bytes() for p in sorted(ckpt_path.rglob("*")) if p.is_file()}
+
+
+def checkpoints_of(folder: Path) -> dict[str, bytes]:
+    """Like files_of, for a folder of checkpoints, without the FINISHED marker (each run rewrites it)."""
+    return {k: v for k, v in files_of(folder).items() if k != FINISHED_NAME}
 
 
 def data_files_of(ckpt_path: Path) -> dict[str, bytes]:
