@@ -280,6 +280,8 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
     pulling = store.start_pull(ckpt_cfg.folder) if store is not None and ckpt_cfg.resume == "auto" else None
     checkpointer: Checkpointer | None = None
     try:
+        if store is not None:  # while the pull runs: read-only credentials fail before the model is built
+            store.check_writable()
         run = build(cfg)
         state = run.state
         if cfg.max_duration.unit == TimeUnit.TOKEN and not hasattr(unwrap(state.model), "num_tokens"):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from uploader.config import UploadConfig
 from uploader.local import LocalCheckpoint, list_committed
+from uploader.probe import check_writable
 from uploader.remote import Remote, check_url, open_remote
 from uploader.sync import newest_complete, pull_newest
 from uploader.worker import BackgroundUploader
@@ -82,6 +83,12 @@ class RemoteStore:
         self._pull = threading.Thread(target=run, name="resume-pull", daemon=True)
         self._pull.start()
         return pulled
+
+    def check_writable(self) -> None:
+        """When this job uploads, fail now if the remote refuses writes (read-only credentials), not
+        at the first upload one save interval into training (uploader.probe)."""
+        if self.uploader is not None:
+            check_writable(self.remote)
 
     def submit(self, ckpt: LocalCheckpoint) -> None:
         if self.uploader is not None:

@@ -3,7 +3,8 @@
 Only the newest committed checkpoint matters after a preemption, so when several were committed
 during one upload the older ones are skipped. Storage outages are ridden out: an upload that gives
 up (TransientStorageError) is tried again on the next poll and resumes where it stopped. Wrong
-credentials or a missing bucket end the loop at once (they will not fix themselves).
+credentials or a missing bucket end the loop at once (they will not fix themselves); credentials
+that may read but not write are found before the first checkpoint, by uploader.probe.
 
 It ends by itself, FINISHED, once the job has marked the folder finished (uploader.local.mark_finished)
 after this watch started, and that step is uploaded. A marker older than the watch is left over from
@@ -30,6 +31,7 @@ from uploader.config import UploadConfig
 from uploader.exceptions import Aborted, CorruptCheckpoint, ManifestError, TransientStorageError
 from uploader.local import LocalCheckpoint, finished_marker, list_committed
 from uploader.manifest import MANIFEST_NAME
+from uploader.probe import check_writable
 from uploader.remote import Remote
 from uploader.sync import push
 
@@ -60,6 +62,7 @@ def watch(
     timer.start()
     logger.info("watching %s, uploading to %s (keep %d)", folder, remote.url, config.keep)
     try:
+        check_writable(remote)  # read-only credentials end the watch now, not at the first checkpoint
         return _loop(folder, remote, config.keep, stop, abort, poll_interval, grace)
     finally:
         returned.set()

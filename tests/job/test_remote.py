@@ -109,18 +109,32 @@ def test_storage_errors_fail_fast_with_one_line(tmp_path, s3_bucket, case, code,
     env = s3_job_env(s3_bucket, credentials)
     bucket_name = "no-such-bucket-here" if case == "missing-bucket" else s3_bucket.name
     remote = f"s3://{bucket_name}/run"
-    if case == "read-only":  # can list, cannot write: found at the first upload, training stops
-        args = [*ARGS, "--max-duration", "100000ba"]  # it must stop at the first failed upload, not the end
-    else:
-        args = ARGS
     started = time.monotonic()
-    done = run_job("train", *args, "--save-folder", str(tmp_path / "ck"), "--remote", remote, env=env)
+    # read-only can list and read, so the start-up pull passes: the write check must catch it
+    done = run_job("train", *ARGS, "--save-folder", str(tmp_path / "ck"), "--remote", remote, env=env)
     assert done.returncode == code, done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("job: error:") and bucket_name in last and s3_bucket.endpoint_url in last
     assert needle in last.lower()
     assert "not-the-secret" not in done.stderr and s3_bucket.credentials.secret_key not in done.stderr
     assert time.monotonic() - started < 60  # seconds, not a retry storm
+    assert not {"start", "progress", "checkpoint"} & {e.get("event") for e in events(done.stderr)}  # before any training
+    assert not list((tmp_path / "ck").glob("step-*"))
+
+
+def test_read_only_credentials_may_resume_from_the_bucket_with_upload_off(tmp_path, s3_bucket, uninterrupted):
+    """Pull-only is a legitimate use of read-only credentials: the write check is for jobs that upload."""
+    remote = s3_bucket.url("run")
+    first = run_job("train", *ARGS, "--save-folder", str(tmp_path / "a"), "--remote", remote, env=s3_job_env(s3_bucket))
+    assert first.returncode == 0, first.stderr
+    uploaded = remote_steps(s3_bucket)
+    done = run_job("train", *ARGS, "--save-folder", str(tmp_path / "b"), "--remote", remote, "--upload", "off",
+                   env=s3_job_env(s3_bucket, READER))
+    assert done.returncode == 0, done.stderr
+    resumed = [e for e in events(done.stderr) if e.get("event") == "resumed"]
+    assert [(e["step"], e["source"]) for e in resumed] == [(120, f"{remote}/step-000000000120")]
+    assert inspect(tmp_path / "b")["model_sha256"] == uninterrupted["model_sha256"]
+    assert remote_steps(s3_bucket) == uploaded
 
 
 def test_sigterm_uploads_the_final_checkpoint_before_exit(spawn, tmp_path, s3_bucket):

@@ -15,8 +15,8 @@ import pytest
 from tests.support.checkpoints import WITH_LARGE_FILE, complete_steps, data_files_of, make_checkpoint
 from tests.support.faultproxy import FaultProxy
 from tests.support.polling import wait_until
-from tests.support.s3server import Bucket, SeaweedFS, fast_config
-from tests.support.uploader_cli import cli_env, uploader_command
+from tests.support.s3server import READER, Bucket, SeaweedFS, fast_config
+from tests.support.uploader_cli import cli_env, run_cli, uploader_command
 from uploader.config import UploadConfig
 from uploader.exceptions import Aborted
 from uploader.layout import data_key
@@ -96,6 +96,18 @@ def test_watch_process_uploads_what_is_committed_then_exits_0(
 
     assert proc.returncode == 0, stderr
     assert complete_steps(remote) == [1, 2]
+
+
+@pytest.mark.s3
+def test_a_sidecar_with_read_only_credentials_exits_3_before_the_first_checkpoint(s3_bucket: Bucket, local: Path) -> None:
+    """Before the write check it waited, for as long as the job took to commit one, and only then failed."""
+    result = run_cli(["watch", str(local), s3_bucket.url()], cli_env(s3_bucket, READER), timeout=30)
+
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 3, result.stderr
+    assert lines[-1].startswith(f"uploader: error: {s3_bucket.url()} is not writable (start-up write check)")
+    assert "AccessDenied" in lines[-1] and s3_bucket.endpoint_url in lines[-1]
+    assert "Traceback" not in result.stderr and READER.secret_key not in result.stderr
 
 
 def test_a_finished_marker_left_by_an_earlier_run_does_not_end_the_watch(
