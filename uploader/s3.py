@@ -287,10 +287,13 @@ class S3Remote:
             )
             errors = [e for e in reply.get("Errors", []) if e.get("Code") != "NoSuchKey"]
             if errors:
-                first = errors[0]
-                raise StorageError(
+                # DeleteObjects answers 200 and refuses key by key: a refusal for lack of rights is
+                # still a permission error (exit 3), not an unexpected one.
+                denied = [e for e in errors if e.get("Code") in _AUTH_CODES]
+                first = (denied or errors)[0]
+                raise (AuthError if denied else StorageError)(
                     f"{self.describe()} refused to delete {len(errors)} object(s), e.g. {first.get('Key')}: "
-                    f"{first.get('Code')}; check that the credentials may delete objects"
+                    f"{first.get('Code')}; check that the credentials may delete objects (s3:DeleteObject)"
                 )
 
     # -- transfers ------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.s3server import Bucket, fast_config
+from tests.support.s3server import READER, Bucket, fast_config, isolated_aws_env
 from uploader.remote import Remote, open_remote
 
 
@@ -32,3 +32,13 @@ def local(tmp_path: Path) -> Path:
 def restore(tmp_path: Path) -> Path:
     """Where a (new) pod pulls checkpoints to."""
     return tmp_path / "restore"
+
+
+@pytest.fixture
+def reader_remote(s3_bucket: Bucket, monkeypatch: pytest.MonkeyPatch) -> Iterator[Remote]:
+    """The bucket's ``run`` prefix seen with credentials that may list and read, nothing else."""
+    for name, value in isolated_aws_env(READER).items():
+        monkeypatch.setenv(name, value)
+    r = open_remote(s3_bucket.url("run"), fast_config(s3_bucket.endpoint_url))
+    yield r
+    r.close()

@@ -1,4 +1,5 @@
-"""The start-up write check (uploader.probe): against both remotes, read-only credentials, a dead endpoint."""
+"""The start-up write check (uploader.probe), and the refusals it must turn into exit 3: both remotes,
+read-only credentials, a refused delete, a dead endpoint, a probe object left behind."""
 from __future__ import annotations
 
 import logging
@@ -8,11 +9,12 @@ from pathlib import Path
 import pytest
 
 from tests.support.checkpoints import complete_steps, make_checkpoint
-from tests.support.s3server import LOOPBACK, READER, Bucket, fast_config, isolated_aws_env
+from tests.support.s3server import ADMIN, LOOPBACK, READER, Bucket, SeaweedFS, fast_config
 from uploader.exceptions import AuthError, StorageError
 from uploader.layout import LATEST_KEY, checkpoint_of
 from uploader.probe import PROBE_BODY, PROBE_PREFIX, check_writable
 from uploader.remote import Remote, open_remote
+from uploader.s3 import S3Remote
 from uploader.sync import list_remote, pull_newest, push
 
 
@@ -23,22 +25,28 @@ def test_a_writable_remote_passes_and_keeps_nothing(remote: Remote) -> None:
 
 
 @pytest.mark.s3
-def test_read_only_credentials_fail_the_check_with_one_line(
-    s3_bucket: Bucket, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    for name, value in isolated_aws_env(READER).items():
-        monkeypatch.setenv(name, value)
-    reader = open_remote(s3_bucket.url("run"), fast_config(s3_bucket.endpoint_url))
-    assert reader.list() == []  # it may list: only the write check finds what is missing
+def test_read_only_credentials_fail_the_check_with_one_line(s3_bucket: Bucket, reader_remote: Remote) -> None:
+    assert reader_remote.list() == []  # it may list: only the write check finds what is missing
 
     with pytest.raises(AuthError) as refused:
-        check_writable(reader)
+        check_writable(reader_remote)
 
     line = str(refused.value)
     assert "\n" not in line and line.startswith(f"{s3_bucket.url('run')} is not writable (start-up write check)")
     assert "AccessDenied" in line and s3_bucket.endpoint_url in line and "write and delete" in line
     assert READER.secret_key not in line
-    reader.close()
+
+
+@pytest.mark.s3
+def test_a_refused_delete_is_a_permission_error(s3_server: SeaweedFS, s3_bucket: Bucket, reader_remote: Remote) -> None:
+    """S3 refuses DeleteObjects key by key inside a 200 reply; retention must still exit 3, not 1."""
+    admin = S3Remote(s3_bucket.name, "run", fast_config(s3_bucket.endpoint_url), client=s3_server.client(ADMIN))
+    admin.write_bytes("kept", b"still here")
+
+    with pytest.raises(AuthError, match=r"refused to delete 1 object\(s\), e\.g\. run/kept: AccessDenied"):
+        reader_remote.delete(["kept"])
+    assert admin.read_bytes("kept") == b"still here"
+    admin.close()
 
 
 def test_a_file_remote_that_cannot_be_created_keeps_its_error_type(tmp_path: Path) -> None:
