@@ -28,7 +28,7 @@ from job.schedule import Interval
 from job.signals import StopRequest
 from job.storage import UPLOAD_MODES, RemoteConfig
 from state import Precision, PrecisionError, Time
-from uploader.cli import exit_code as storage_exit_code
+from uploader.cli import exit_code as storage_exit_code, report_click_error
 from uploader.config import ADDRESSING_STYLES, UploadConfig
 from uploader.exceptions import UploaderError
 
@@ -262,9 +262,7 @@ def run(argv: list[str] | None) -> int:
         click.echo(e.code, err=True)
         return 1
     except click.ClickException as e:
-        ctx_name = f"job {e.ctx.info_name} --help" if getattr(e, "ctx", None) and e.ctx.info_name != "job" else "job --help"
-        click.echo(f"job: error: {e.format_message()} (see '{ctx_name}')", err=True)
-        return e.exit_code if e.exit_code else EXIT_USAGE
+        return report_click_error("job", e) or EXIT_USAGE
     except click.exceptions.Abort:
         click.echo("job: aborted", err=True)
         return 130

@@ -99,6 +99,18 @@ class Size(click.ParamType):  # type: ignore[type-arg]  # generic only from clic
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+def report_click_error(prog: str, e: click.ClickException) -> int:
+    """click's usage errors as one stderr line, like every other error (click's own form is three:
+    Usage, Try, Error); a bare command still gets its help. Returns the exit code. The job's CLI uses it too."""
+    if type(e).__name__ == "NoArgsIsHelpError":  # click >= 8.2: the "error" is the help text
+        e.show()
+        return e.exit_code
+    ctx = getattr(e, "ctx", None)
+    command = ctx.command_path if ctx is not None else prog
+    click.echo(f"{prog}: error: {e.format_message()} (see '{command} --help')", err=True)
+    return e.exit_code
+
+
 def option(*decls: str, **kwargs: Any) -> Callable[[F], F]:
     """click.option with the UPLOADER_<OPTION> environment variable, shown in --help with the default."""
     name = decls[0].lstrip("-").replace("-", "_").upper()
@@ -106,7 +118,20 @@ def option(*decls: str, **kwargs: Any) -> Callable[[F], F]:
 
 
 class _Main(click.Group):
-    """Turns our exceptions into one stderr line and the documented exit code."""
+    """Turns our exceptions, and click's usage errors, into one stderr line and the documented exit code."""
+
+    def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,
+             standalone_mode: bool = True, **extra: Any) -> Any:
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.ClickException as e:
+            raise SystemExit(report_click_error("uploader", e)) from None
+        except click.exceptions.Abort:
+            click.echo("uploader: aborted", err=True)
+            raise SystemExit(130) from None
+        raise SystemExit(code if isinstance(code, int) else 0)
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
