@@ -25,11 +25,6 @@ PROBE_PREFIX = ".spot-trainer-write-check-"
 PROBE_BODY = b"spot-trainer checks that it may write and delete here; this object is safe to delete\n"
 
 
-def probe_key() -> str:
-    """A key of its own for each check: two processes checking at once never delete each other's."""
-    return f"{PROBE_PREFIX}{uuid.uuid4().hex}"
-
-
 def check_writable(remote: Remote) -> None:
     """Write and delete one small object; refusals are raised (their type and exit code unchanged),
     with the check named so the line says why a start-up that uploads nothing yet wrote at all.
@@ -37,7 +32,7 @@ def check_writable(remote: Remote) -> None:
     An unreachable remote is not this check's business: it is logged, and the uploads that follow
     ride it out under their own retries (the pull at start-up, if any, reports it anyway).
     """
-    key = probe_key()
+    key = f"{PROBE_PREFIX}{uuid.uuid4().hex}"  # one of its own: two processes never delete each other's
     try:
         remote.write_bytes(key, PROBE_BODY)
         remote.delete([key])
