@@ -4,7 +4,7 @@ Exit codes (README, "Exit codes"; also used by k8s podFailurePolicy):
   0   finished
   1   unexpected error (a bug: the traceback is printed)
   2   bad flags or configuration
-  3   storage refused the credentials (403, InvalidAccessKeyId, SignatureDoesNotMatch)
+  3   storage refused access (403, InvalidAccessKeyId, SignatureDoesNotMatch; a file:// folder this user may not write)
   4   the bucket does not exist
   5   storage unreachable after retries
   6   a checkpoint cannot be used (corrupt, hostile, incompatible, or --resume PATH is not one)

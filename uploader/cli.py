@@ -15,7 +15,7 @@ Exit codes:
     0  success (watch: stopped by SIGTERM/SIGINT, or the job finished, with everything committed uploaded)
     1  unexpected error (a storage error none of the below, or a bug)
     2  usage: a bad option, value or remote URL
-    3  authentication or permission: missing or wrong credentials, access denied
+    3  authentication or permission: missing or wrong credentials, access denied, a file:// folder this user may not write
     4  the bucket (for file://, the folder above the remote path) does not exist
     5  storage unreachable or failing after every retry (watch: grace period over before the upload ended)
     6  no complete checkpoint found, or the checkpoint is corrupt

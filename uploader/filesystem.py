@@ -5,11 +5,14 @@ folder, is fsynced and checked, then renamed into place, so a reader sees a whol
 (the same guarantee an S3 PUT gives). The sha256 is kept in a ``user.sha256`` extended attribute
 where the file system supports it; where it does not, a resumed upload simply re-copies the file.
 
-Operations are not retried (see uploader.retry): OSErrors surface as StorageError at once.
+Operations are not retried (see uploader.retry): OSErrors surface as StorageError at once, or as
+AuthError (exit 3, as S3's 403) when the folder's permissions refuse this user or the volume is
+read-only: that will not fix itself either, and says what to change.
 """
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import logging
 import os
@@ -19,7 +22,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
-from uploader.exceptions import Aborted, BucketNotFound, CorruptCheckpoint, StorageError
+from uploader.exceptions import Aborted, AuthError, BucketNotFound, CorruptCheckpoint, StorageError
 from uploader.hashing import CHUNK, StreamDigest, fsync_path
 from uploader.remote import ObjectInfo, OnBytes, file_location
 
@@ -64,7 +67,7 @@ class FileRemote:
                         st = path.stat()
                         found.append(ObjectInfo(key, st.st_size, st.st_mtime))
         except OSError as e:
-            raise StorageError(f"cannot list {self.describe()}: {e.strerror}") from None
+            raise _refused(f"cannot list {self.describe()}", e) from None
         return sorted(found, key=lambda o: o.key)
 
     def head(self, key: str) -> ObjectInfo | None:
@@ -74,7 +77,7 @@ class FileRemote:
         except FileNotFoundError:
             return None
         except OSError as e:
-            raise StorageError(f"cannot stat {path}: {e.strerror}") from None
+            raise _refused(f"cannot stat {path}", e) from None
         return ObjectInfo(key, st.st_size, st.st_mtime, _get_sha256(path))
 
     def read_bytes(self, key: str) -> bytes | None:
@@ -83,7 +86,7 @@ class FileRemote:
         except FileNotFoundError:
             return None
         except OSError as e:
-            raise StorageError(f"cannot read {key} in {self.describe()}: {e.strerror}") from None
+            raise _refused(f"cannot read {key} in {self.describe()}", e) from None
 
     def write_bytes(self, key: str, data: bytes) -> None:
         digest = hashlib.sha256(data).hexdigest()
@@ -133,7 +136,7 @@ class FileRemote:
         except FileNotFoundError:
             raise CorruptCheckpoint(f"{self.url}/{key} is missing") from None
         except OSError as e:
-            raise StorageError(f"cannot read {key} in {self.describe()}: {e.strerror}") from None
+            raise _refused(f"cannot read {key} in {self.describe()}", e) from None
         with src, open(path, "wb") as dst:
             actual_size, actual_sha = _copy(src, dst, block_size, on_bytes, abort, durable=False)
         if actual_size != size:
@@ -148,7 +151,7 @@ class FileRemote:
             try:
                 path.unlink(missing_ok=True)
             except OSError as e:
-                raise StorageError(f"cannot delete {key} in {self.describe()}: {e.strerror}") from None
+                raise _refused(f"cannot delete {key} in {self.describe()}", e) from None
             parents.add(path.parent)
         # Remove folders left empty, deepest first, never the root itself.
         for folder in sorted(parents, key=lambda p: len(p.parts), reverse=True):
@@ -177,16 +180,27 @@ class FileRemote:
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise StorageError(f"cannot create {target.parent}: {e.strerror}") from None
+            raise _refused(f"cannot create {target.parent}", e) from None
         tmp = target.parent / f"{TMP_MARKER}{target.name}-{uuid.uuid4().hex[:8]}"
         try:
             yield tmp
             os.replace(tmp, target)
             fsync_path(target.parent)
         except OSError as e:
-            raise StorageError(f"cannot write {target}: {e.strerror}") from None
+            raise _refused(f"cannot write {target}", e) from None
         finally:
             tmp.unlink(missing_ok=True)
+
+
+_DENIED = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
+
+
+def _refused(what: str, e: OSError) -> StorageError:
+    """``what`` failed: a permission problem (AuthError, exit 3) or any other (StorageError)."""
+    if e.errno in _DENIED:
+        return AuthError(f"{what}: {e.strerror}; this user (uid {os.getuid()}) needs to read and write there, "
+                         "on a volume mounted read-write")
+    return StorageError(f"{what}: {e.strerror}")
 
 
 def _copy(src: BinaryIO, dst: BinaryIO, block_size: int | None, on_bytes: OnBytes | None,

@@ -1,6 +1,8 @@
 """Fixtures of the uploader tests: a Remote of each kind, behind the same interface."""
 from __future__ import annotations
 
+import shutil
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -42,3 +44,18 @@ def reader_remote(s3_bucket: Bucket, monkeypatch: pytest.MonkeyPatch) -> Iterato
     r = open_remote(s3_bucket.url("run"), fast_config(s3_bucket.endpoint_url))
     yield r
     r.close()
+
+
+@pytest.fixture
+def immutable_folder(tmp_path: Path) -> Iterator[Path]:
+    """A folder nobody may add to, root included (chattr +i): tests and CI run as root, whom plain
+    permissions never stop. Skipped where the file system or the sandbox refuses the attribute."""
+    folder = tmp_path / "immutable"
+    folder.mkdir()
+    chattr = shutil.which("chattr")
+    if chattr is None or subprocess.run([chattr, "+i", str(folder)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not available here")
+    try:
+        yield folder
+    finally:
+        subprocess.run([chattr, "-i", str(folder)], check=True)

@@ -63,6 +63,16 @@ def test_usage_errors_exit_2(args: list[str], says: str) -> None:
     assert line.startswith("uploader: error: ") and says in line and line.endswith(" --help')")
 
 
+def test_sync_to_a_folder_this_user_may_not_write_exits_3(tmp_path: Path, immutable_folder: Path) -> None:
+    make_checkpoint(tmp_path / "local", 1)
+    result = run_cli(["sync", str(tmp_path / "local"), f"file://{immutable_folder}"], isolated_aws_env(ADMIN))
+
+    assert result.returncode == 3, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("uploader: error: cannot ") and "Operation not permitted" in last and "uid" in last
+    assert list(immutable_folder.iterdir()) == []
+
+
 def test_sync_of_a_folder_without_checkpoints_says_so(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     result = run_cli(["sync", str(tmp_path / "empty"), f"file://{tmp_path / 'remote'}"], isolated_aws_env(ADMIN))

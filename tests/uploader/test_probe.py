@@ -1,5 +1,6 @@
 """The start-up write check (uploader.probe), and the refusals it must turn into exit 3: both remotes,
-read-only credentials, a refused delete, a dead endpoint, a probe object left behind."""
+read-only credentials, a refused delete, a folder this user may not write, a dead endpoint, a probe
+object left behind."""
 from __future__ import annotations
 
 import logging
@@ -57,6 +58,15 @@ def test_a_file_remote_that_cannot_be_created_keeps_its_error_type(tmp_path: Pat
         check_writable(remote)
     assert type(failed.value) is StorageError
     assert (tmp_path / "remote").read_text() == "a file where the remote folder should be"
+
+
+def test_a_file_remote_this_user_may_not_write_is_a_permission_error(immutable_folder: Path) -> None:
+    remote = open_remote(f"file://{immutable_folder}", fast_config())
+
+    with pytest.raises(AuthError, match=r"is not writable \(start-up write check\): cannot write .*"
+                                        r"Operation not permitted; this user \(uid \d+\) needs to read and write"):
+        check_writable(remote)
+    assert list(immutable_folder.iterdir()) == []
 
 
 def test_an_unreachable_endpoint_is_logged_not_raised(aws_env: object, caplog: pytest.LogCaptureFixture) -> None:
