@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from job.build import build
+from job.build import build, refit_schedule
 from job import distributed
 from job.checkpoint import Checkpointer, check_settings, claim_folder, load_shard, load_state_file, open_checkpoint, restore
 from job.exceptions import CheckpointLoadError
@@ -295,6 +295,7 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
         cadence = CheckpointCadence(checkpointer, ckpt_cfg)
         if resume(state, ckpt_cfg, checkpointer, meta, store, run.mesh, pulling):
             cadence.last_step = state.timer.batch.value
+            refit_schedule(run, cfg.lr)
         if ckpt_cfg.async_save:
             checkpointer.reserve(state)
         spot_handler = SpotHandler(spot, stop) if spot is not None else None

@@ -35,6 +35,7 @@ class Run:
     batch_size: int  # per rank
     world_size: int = 1
     mesh: DeviceMesh | None = None  # set when the model is sharded (FSDP2)
+    schedule_steps: int | None = None  # the LR schedule's length the flags ask for (None: no schedule)
 
 
 def _dataset(factory: Any, split: str, spec: str) -> Dataset:
@@ -123,4 +124,35 @@ def build(cfg: TrainConfig) -> Run:
         train_metrics=train_metrics,
     )
     state.schedulers = schedulers
-    return Run(state=state, sampler=sampler, device=device, batch_size=cfg.batch_size, world_size=world, mesh=mesh)
+    return Run(state=state, sampler=sampler, device=device, batch_size=cfg.batch_size, world_size=world, mesh=mesh,
+               schedule_steps=steps)
+
+
+def refit_schedule(run: Run, lr: float) -> None:
+    """After a resume, --max-duration and --lr decide the learning-rate schedule; the checkpoint only
+    decides how far along it the run is.
+
+    A checkpoint restores its scheduler whole, T_max and base learning rate included. A run extended
+    from 100 to 400 batches would then follow a cosine that ended at 100 and climbs back to the peak
+    by 200. When the flags ask for another schedule, the cosine is set to the new one at the current
+    step, as if the run had been started with these flags. The result then differs from an
+    uninterrupted run, which is logged. The same schedule is left untouched, so a resume stays bit for bit.
+    """
+    steps = run.schedule_steps
+    for scheduler in run.state.schedulers:
+        if not isinstance(scheduler, torch.optim.lr_scheduler.CosineAnnealingLR) or steps is None:
+            continue
+        if scheduler.T_max == steps and all(base == lr for base in scheduler.base_lrs):
+            continue
+        step = scheduler.last_epoch
+        logger.warning("resuming with a learning-rate schedule of %d steps from lr %g, the checkpoint's was %d "
+                       "steps from lr %s: from step %d on the new one is followed, and the result will differ "
+                       "from an uninterrupted run", steps, lr, scheduler.T_max,
+                       "/".join(f"{b:g}" for b in scheduler.base_lrs), step)
+        scheduler.T_max = steps
+        scheduler.base_lrs = [lr] * len(scheduler.base_lrs)
+        done = min(step, steps) / steps
+        for group in scheduler.optimizer.param_groups:
+            group["initial_lr"] = lr
+            group["lr"] = scheduler.eta_min + (lr - scheduler.eta_min) * (1 + math.cos(math.pi * done)) / 2
+        scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]

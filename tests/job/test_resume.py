@@ -1,6 +1,8 @@
 """Bit-exact resume: training interrupted and resumed equals training straight through."""
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from tests.support.jobs import assert_states_equal, ckpt_config, train_state
@@ -29,6 +31,23 @@ def test_resumed_run_equals_uninterrupted_run(tiny_config, tmp_path, straight, s
     resumed = _train_with_stops(tiny_config(), tmp_path / "resumed", stops)
     assert resumed.timer.batch.value == 70
     assert_states_equal(straight, resumed)
+
+
+@pytest.mark.parametrize("changed", [{"max_duration": "160ba"}, {"lr": 6e-3}], ids=["longer-run", "higher-lr"])
+def test_a_resume_with_other_schedule_flags_follows_the_new_schedule(tiny_config, tmp_path, caplog, changed):
+    """The flags decide the learning-rate schedule, the checkpoint only the step. Restored whole, a
+    70-batch cosine extended to 160 batches was back at its peak lr by step 140; a new --lr was ignored."""
+    folder = tmp_path / "changed"
+    train_state(tiny_config(), ckpt_config(folder), stop_at=30)
+    with caplog.at_level(logging.WARNING, logger="job.build"):
+        resumed = train_state(tiny_config(**changed), ckpt_config(folder), stop_at=60)
+    fresh = train_state(tiny_config(**changed), ckpt_config(tmp_path / "fresh"), stop_at=60)
+
+    [scheduler], [expected] = resumed.schedulers, fresh.schedulers
+    assert (scheduler.T_max, scheduler.base_lrs) == (expected.T_max, expected.base_lrs)
+    assert resumed.optimizers[0].param_groups[0]["lr"] == pytest.approx(fresh.optimizers[0].param_groups[0]["lr"],
+                                                                        rel=1e-9)
+    assert "from step 30 on the new one is followed" in caplog.text
 
 
 def test_interruption_changes_nothing_even_with_periodic_checkpoints(tiny_config, tmp_path, straight):
