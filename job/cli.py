@@ -26,8 +26,9 @@ from job.exceptions import EXIT_BUG, EXIT_PREEMPTED, EXIT_USAGE, ConfigError, Jo
 from job.logs import setup_logging
 from job.schedule import Interval
 from job.signals import StopRequest
+from job.spot import SpotWatcher, check_endpoint, make_source
 from job.storage import UPLOAD_MODES, RemoteConfig
-from state import Precision, PrecisionError, Time
+from state import SEED_LIMIT, Precision, PrecisionError, Time
 from uploader.cli import exit_code as storage_exit_code, report_click_error
 from uploader.config import ADDRESSING_STYLES, UploadConfig
 from uploader.exceptions import UploaderError
@@ -169,10 +170,16 @@ def train(**o: Any) -> None:
                                 async_save=o["async_save"])
         remote = RemoteConfig(url=o["remote"], mode=o["upload"], upload=UploadConfig(
             endpoint_url=o["endpoint_url"], addressing=o["addressing"], keep=o["keep"]))
+        check_endpoint(o["spot_endpoint"])
     except (ValueError, PrecisionError) as e:
         raise ConfigError(str(e)) from None
+    if cfg.sharded and not dist_cfg.enabled:
+        raise ConfigError("--sharded splits the model across torchrun's processes: start the job with "
+                          "torchrun --nproc-per-node N (N >= 2), or drop --sharded")
+    if cfg.seed + dist_cfg.world_size > SEED_LIMIT:
+        raise ConfigError(f"--seed {cfg.seed}: rank r seeds with seed + r, and rank {dist_cfg.world_size - 1} "
+                          f"would pass {SEED_LIMIT - 1}; use a seed below {SEED_LIMIT - dist_cfg.world_size + 1}")
     from job.app import train as run_training
-    from job.spot import SpotWatcher, make_source
 
     distributed.init(dist_cfg, cfg.device)
     stop = StopRequest(grace_period=o["grace_period"])

@@ -4,11 +4,12 @@ Nothing below the CLI reads the environment: every module gets one of these data
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from job.schedule import Interval
-from state import Precision, Time, TimeUnit
+from state import SEED_LIMIT, Precision, Time, TimeUnit
 
 
 @dataclass(frozen=True)
@@ -38,8 +39,10 @@ class TrainConfig:
             raise ValueError(
                 f"--grad-accum {self.grad_accum} must be >= 1 and divide --batch-size {self.batch_size}"
             )
-        if not self.lr > 0:
-            raise ValueError("--lr must be positive")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"--lr must be a positive finite number, not {self.lr}")
+        if not 0 <= self.seed < SEED_LIMIT:
+            raise ValueError(f"--seed must be between 0 and {SEED_LIMIT - 1}, not {self.seed}")
         if self.log_interval < 1:
             raise ValueError("--log-interval must be >= 1")
         if self.num_workers < 0:

@@ -15,6 +15,7 @@ import urllib.request
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Protocol
+from urllib.parse import urlparse
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +104,16 @@ def _parse_time(text: object) -> float | None:
         return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
     except ValueError:
         return None
+
+
+def check_endpoint(url: str | None) -> None:
+    """ValueError unless ``url`` is an http(s) base URL: a typo would only turn every poll into a
+    warning, and the job would run without the notices it was asked to watch for."""
+    if url is None:
+        return
+    parsed = urlparse(url)
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        raise ValueError(f"--spot-endpoint {url!r} is not an http(s) URL, e.g. http://169.254.169.254")
 
 
 def make_source(mode: str, endpoint: str | None) -> Source | None:

@@ -7,13 +7,14 @@ RNG streams, metric accumulators and the data position, in a checkpoint ``torch.
 from state.evaluator import Evaluator
 from state.exceptions import PrecisionError, StateError
 from state.precision import Precision, default_precision_context
-from state.rng import capture_rng, restore_rng, seed_all
+from state.rng import SEED_LIMIT, capture_rng, restore_rng, seed_all
 from state.sampler import ResumableBatchSampler
 from state.serializable import Serializable
 from state.state import State
 from state.time import Time, Timer, TimeUnit
 
 __all__ = [
+    "SEED_LIMIT",
     "Evaluator",
     "Precision",
     "PrecisionError",

@@ -19,14 +19,14 @@ from state.exceptions import StateError
 
 logger = logging.getLogger(__name__)
 
-_SEED_LIMIT = 2**32  # numpy's legacy seeding accepts [0, 2**32); one range for all generators keeps runs comparable
+SEED_LIMIT = 2**32  # numpy's legacy seeding accepts [0, 2**32); one range for all generators keeps runs comparable
 
 
 def seed_all(seed: int) -> None:
     """Seed python, numpy, torch and every CUDA device from one number, so a run is defined by its seed."""
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise TypeError(f"seed must be an int, got {type(seed).__name__}: {seed!r}")
-    if not 0 <= seed < _SEED_LIMIT:
+    if not 0 <= seed < SEED_LIMIT:
         raise ValueError(f"seed must be in [0, 2**32), got {seed}")
     random.seed(seed)
     np.random.seed(seed)

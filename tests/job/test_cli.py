@@ -39,6 +39,11 @@ def run_main(capsys, *argv: str) -> tuple[int, str, str]:
         (["train", "--remote", "s3://"], "--remote: not an S3 remote"),
         (["train", "--remote", "file://relative/path"], "three slashes"),
         (["inspect", "/nonexistent/checkpoint"], "/nonexistent/checkpoint"),
+        (["train", "--seed", "-1"], "--seed"),
+        (["train", "--seed", "4294967296"], "--seed"),
+        (["train", "--lr", "inf"], "--lr"),
+        (["train", "--sharded"], "torchrun"),
+        (["train", "--spot-notice", "aws", "--spot-endpoint", "notaurl"], "--spot-endpoint"),
     ],
 )
 def test_bad_input_gives_one_clear_line_and_nonzero_exit(capsys, tmp_path, monkeypatch, argv, needle):
@@ -49,6 +54,17 @@ def test_bad_input_gives_one_clear_line_and_nonzero_exit(capsys, tmp_path, monke
     assert len(lines) == 1, err
     assert lines[0].startswith("job: error:") and needle in lines[0]
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_a_seed_that_overflows_on_the_last_rank_is_refused_before_joining(capsys, tmp_path, monkeypatch):
+    """Rank r seeds with seed + r: under torchrun the top seed is valid for rank 0 and not for rank 1."""
+    monkeypatch.chdir(tmp_path)
+    for name, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    code, _, err = run_main(capsys, "train", "--seed", "4294967295")
+    assert code == 2
+    assert err.strip() == ("job: error: --seed 4294967295: rank r seeds with seed + r, and rank 1 would pass "
+                           "4294967295; use a seed below 4294967295")
 
 
 def test_every_option_has_an_env_var_and_shows_its_default(capsys):
