@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+import signal
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,6 +76,18 @@ def total_batches(cfg: TrainConfig, steps_per_epoch: int) -> int | None:
     return None
 
 
+def leave_stop_signals_to_the_job(worker_id: int) -> None:
+    """DataLoader workers ignore SIGINT and SIGTERM; the job stops them when it stops.
+
+    A forked worker inherits the job's stop handler, and Ctrl-C reaches every process of the
+    terminal's group. Each worker then announced a stop of its own, and on a second Ctrl-C exited 75
+    under the DataLoader. A worker whose job dies without stopping it exits by itself (PyTorch's
+    parent watchdog).
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def build(cfg: TrainConfig) -> Run:
     rank, world = distributed.rank(), distributed.world_size()
     seed_all(cfg.seed + rank)  # State.seed: rank_zero_seed + rank (DDP then copies rank 0's weights)
@@ -93,9 +106,9 @@ def build(cfg: TrainConfig) -> Run:
     # Explicit generators: a DataLoader without one draws its worker seed from the global RNG each time
     # an iterator starts, which would make a mid-epoch resume diverge from an uninterrupted run.
     train_loader = DataLoader(train_ds, batch_sampler=sampler, num_workers=cfg.num_workers, pin_memory=pin,
-                              generator=torch.Generator())
+                              generator=torch.Generator(), worker_init_fn=leave_stop_signals_to_the_job)
     eval_loader = DataLoader(eval_ds, batch_size=cfg.batch_size, shuffle=False, num_workers=cfg.num_workers,
-                             pin_memory=pin, generator=torch.Generator())
+                             pin_memory=pin, generator=torch.Generator(), worker_init_fn=leave_stop_signals_to_the_job)
     eval_metrics = {k: m.to(device) for k, m in _metrics(model, train=False).items()}
     train_metrics = {k: m.to(device) for k, m in _metrics(model, train=True).items()}
 

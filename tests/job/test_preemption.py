@@ -35,6 +35,20 @@ def test_signal_checkpoints_the_current_step_and_exits_75(spawn, tmp_path, sig):
     assert local.read_finished(folder) == preempted["step"]
 
 
+def test_ctrl_c_to_the_whole_group_stops_once_with_dataloader_workers(spawn, tmp_path):
+    """Ctrl-C reaches every process of the terminal's group, DataLoader workers included: the job
+    stops once, and the workers leave it to the job instead of announcing a stop of their own."""
+    folder = tmp_path / "ck"
+    proc = spawn("train", *ARGS, "--num-workers", "2", "--save-folder", str(folder), "--save-interval", "100000ba",
+                 new_session=True)
+    _started(proc)
+    proc.signal_group(signal.SIGINT)
+    assert proc.wait() == 75, proc.stderr
+    assert [e.get("event") for e in proc.events].count("stop_requested") == 1, proc.stderr
+    preempted = proc.wait_event("preempted")
+    assert inspect(folder)["step"] == preempted["checkpoint_step"] == preempted["step"]
+
+
 def test_preempted_run_resumes_to_the_uninterrupted_result(spawn, tmp_path):
     short = ["--max-duration", "150ba", "--eval-interval", "50ba", "--log-interval", "5", "--seed", "5",
              "--log-format", "json"]

@@ -50,6 +50,12 @@ def test_a_resume_with_other_schedule_flags_follows_the_new_schedule(tiny_config
     assert "from step 30 on the new one is followed" in caplog.text
 
 
+def test_resumed_run_with_dataloader_workers_equals_uninterrupted_run(tiny_config, tmp_path):
+    cfg = tiny_config(num_workers=2)
+    straight = train_state(cfg, ckpt_config(tmp_path / "straight"))
+    assert_states_equal(straight, _train_with_stops(cfg, tmp_path / "resumed", [30]))
+
+
 def test_interruption_changes_nothing_even_with_periodic_checkpoints(tiny_config, tmp_path, straight):
     # Saving every few batches must not perturb the run (no RNG draws, no data-order change).
     folder = tmp_path / "periodic"

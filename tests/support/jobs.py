@@ -123,9 +123,12 @@ def _runs_job(argv: list[bytes]) -> bool:
 class JobProcess:
     """A `job` (or any) process whose JSON log lines are collected live, for signal and timing tests."""
 
-    def __init__(self, argv: list[str], env: dict[str, str] | None = None, cwd: Path = REPO) -> None:
+    def __init__(self, argv: list[str], env: dict[str, str] | None = None, cwd: Path = REPO,
+                 new_session: bool = False) -> None:
+        """``new_session``: the process leads a process group of its own, which ``signal_group`` signals
+        whole, as a terminal's Ctrl-C does."""
         self.proc = subprocess.Popen(argv, env=env or job_env(), cwd=cwd, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, text=True)
+                                     stderr=subprocess.PIPE, text=True, start_new_session=new_session)
         self.lines: list[str] = []
         self._cond = threading.Condition()
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -162,6 +165,10 @@ class JobProcess:
 
     def signal(self, sig: int) -> None:
         self.proc.send_signal(sig)
+
+    def signal_group(self, sig: int) -> None:
+        assert os.getpgid(self.proc.pid) == self.proc.pid, "start it with new_session=True"
+        os.killpg(self.proc.pid, sig)
 
     def wait(self, timeout: float = 60.0) -> int:
         try:
