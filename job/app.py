@@ -247,8 +247,8 @@ def _stop_for_preemption(state: State, cadence: CheckpointCadence, store: Remote
               seconds_needed=round(needed, 1), kept_step=cadence.kept_step(),
               message="no time for a final checkpoint; exiting before the kill with the previous one")
     kept = cadence.kept_step()
-    uploaded = True
-    if store is not None and kept is not None:
+    uploaded: bool | None = None  # null in the event: this job does not upload (no remote, sidecar, off)
+    if store is not None and store.uploads and kept is not None:
         uploaded = store.wait(_until_exit(stop))
         if not uploaded:
             logger.warning("the final checkpoint did not finish uploading within the grace period; it stays in "

@@ -84,10 +84,15 @@ class RemoteStore:
         self._pull.start()
         return pulled
 
+    @property
+    def uploads(self) -> bool:
+        """Whether this job uploads its checkpoints itself (--upload inprocess)."""
+        return self.uploader is not None
+
     def check_writable(self) -> None:
         """When this job uploads, fail now if the remote refuses writes (read-only credentials), not
         at the first upload one save interval into training (uploader.probe)."""
-        if self.uploader is not None:
+        if self.uploads:
             check_writable(self.remote)
 
     def submit(self, ckpt: LocalCheckpoint) -> None:

@@ -31,6 +31,7 @@ def test_signal_checkpoints_the_current_step_and_exits_75(spawn, tmp_path, sig):
     assert proc.wait() == 75, proc.stderr
     preempted = proc.wait_event("preempted")
     assert preempted["checkpoint_step"] == preempted["step"] > 0  # zero batches lost
+    assert preempted["uploaded"] is None  # no --remote: nothing was uploaded, and the event does not claim it
     assert inspect(folder)["step"] == preempted["step"]
     assert local.read_finished(folder) == preempted["step"]
 
