@@ -258,6 +258,9 @@ def watch(config: UploadConfig, local: Path, remote_url: str, poll_interval: flo
 @click.pass_obj
 def pull(config: UploadConfig, remote_url: str, local: Path) -> None:
     """Download the newest complete, verified checkpoint of REMOTE into LOCAL; print its folder."""
+    blocker = next((p for p in local.parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:  # checked before any download, and without creating anything
+        raise click.BadParameter(f"{local} cannot be created: {blocker} is a file", param_hint="LOCAL")
     remote = _open(remote_url, config)
     ckpt = pull_newest(remote, local)
     if ckpt is None:

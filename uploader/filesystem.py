@@ -53,6 +53,8 @@ class FileRemote:
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         if not self.root.is_dir():
+            if self.root.exists():  # a typo'd URL naming a file would otherwise list as an empty remote
+                raise BucketNotFound(f"{self.root} is a file, not a folder: fix the file:// URL")
             return []
         found = []
         try:

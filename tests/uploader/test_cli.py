@@ -73,6 +73,20 @@ def test_sync_to_a_folder_this_user_may_not_write_exits_3(tmp_path: Path, immuta
     assert list(immutable_folder.iterdir()) == []
 
 
+def test_local_and_remote_paths_through_a_file_are_refused_with_one_line(tmp_path: Path) -> None:
+    (tmp_path / "afile").write_text("not a folder")
+    pull = run_cli(["pull", f"file://{tmp_path / 'remote'}", str(tmp_path / "afile" / "sub")], isolated_aws_env(ADMIN))
+    ls = run_cli(["ls", f"file://{tmp_path / 'afile'}"], isolated_aws_env(ADMIN))
+
+    assert pull.returncode == 2, pull.stderr
+    [line] = pull.stderr.strip().splitlines()
+    assert line.startswith(f"uploader: error: Invalid value for LOCAL: {tmp_path / 'afile' / 'sub'} cannot be "
+                           f"created: {tmp_path / 'afile'} is a file (see '") and line.endswith("uploader pull --help')")
+    assert ls.returncode == 4 and ls.stdout == "", ls.stderr
+    assert ls.stderr.strip() == f"uploader: error: {tmp_path / 'afile'} is a file, not a folder: fix the file:// URL"
+    assert (tmp_path / "afile").read_text() == "not a folder"
+
+
 def test_sync_of_a_folder_without_checkpoints_says_so(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     result = run_cli(["sync", str(tmp_path / "empty"), f"file://{tmp_path / 'remote'}"], isolated_aws_env(ADMIN))
