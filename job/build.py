@@ -152,8 +152,10 @@ def refit_schedule(run: Run, lr: float) -> None:
     uninterrupted run, which is logged. The same schedule is left untouched, so a resume stays bit for bit.
     """
     steps = run.schedule_steps
+    if steps is None:
+        return
     for scheduler in run.state.schedulers:
-        if not isinstance(scheduler, torch.optim.lr_scheduler.CosineAnnealingLR) or steps is None:
+        if not isinstance(scheduler, torch.optim.lr_scheduler.CosineAnnealingLR):
             continue
         if scheduler.T_max == steps and all(base == lr for base in scheduler.base_lrs):
             continue
