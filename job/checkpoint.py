@@ -246,9 +246,7 @@ def claim_folder(folder: Path) -> None:
     Nothing is created here: a folder that does not exist yet is judged by the nearest one above it
     that does, and made by the first save or pull, so a run refused for a bad flag leaves no trace.
     """
-    existing = folder
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
+    existing = local.nearest_existing(folder)
     try:
         if not existing.is_dir():
             raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))

@@ -48,7 +48,7 @@ from uploader.exceptions import (
     TransientStorageError,
     UploaderError,
 )
-from uploader.local import list_committed
+from uploader.local import list_committed, nearest_existing
 from uploader.remote import Remote, open_remote
 from uploader.sync import list_remote, pull_newest, push_all
 from uploader.watch import watch as watch_loop
@@ -258,8 +258,8 @@ def watch(config: UploadConfig, local: Path, remote_url: str, poll_interval: flo
 @click.pass_obj
 def pull(config: UploadConfig, remote_url: str, local: Path) -> None:
     """Download the newest complete, verified checkpoint of REMOTE into LOCAL; print its folder."""
-    blocker = next((p for p in local.parents if p.exists() and not p.is_dir()), None)
-    if blocker is not None:  # checked before any download, and without creating anything
+    blocker = nearest_existing(local)
+    if not blocker.is_dir():  # checked before any download, and without creating anything
         raise click.BadParameter(f"{local} cannot be created: {blocker} is a file", param_hint="LOCAL")
     remote = _open(remote_url, config)
     ckpt = pull_newest(remote, local)

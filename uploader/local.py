@@ -84,6 +84,14 @@ def newest_verified(folder: Path) -> tuple[LocalCheckpoint, Manifest] | None:
     return None
 
 
+def nearest_existing(folder: Path) -> Path:
+    """``folder`` or the nearest folder above it that exists: what decides whether ``folder`` can be
+    made, judged without making anything (a run refused for a bad flag leaves no trace)."""
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return folder
+
+
 def staging_dir(folder: Path, step: int) -> Path:
     """A fresh, private folder to write a checkpoint into before it is committed."""
     folder.mkdir(parents=True, exist_ok=True)
