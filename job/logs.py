@@ -1,7 +1,9 @@
 """Logging for the job: human text on a terminal, one JSON object per line elsewhere.
 
 Modules log with ``logging.getLogger(__name__)``; structured events go through :func:`event` so that
-both formats carry the same fields. Handlers are configured here only, called from the CLI.
+both formats carry the same fields. Handlers are configured here only, called from the CLI. Both
+formats redact the userinfo and query string of every URL in a line (uploader.redact): an endpoint
+written as ``http://user:secret@host`` must not reach a log, whichever library's text carries it.
 """
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import logging
 import sys
 import time
 from typing import Any
+
+from uploader.redact import redact_text
 
 _RESERVED = {"event", "fields"}
 
@@ -43,12 +47,15 @@ class JsonFormatter(logging.Formatter):
             doc["message"] = record.getMessage()
         if record.exc_info:
             doc["exc"] = self.formatException(record.exc_info)
-        return json.dumps(doc, default=str)
+        return redact_text(json.dumps(doc, default=str))
 
 
 class TextFormatter(logging.Formatter):
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)-7s %(message)s", datefmt="%H:%M:%S")
+
+    def format(self, record: logging.LogRecord) -> str:
+        return redact_text(super().format(record))
 
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802
         return time.strftime(datefmt or "%H:%M:%S", time.localtime(record.created))

@@ -49,6 +49,7 @@ from uploader.exceptions import (
     UploaderError,
 )
 from uploader.local import list_committed, nearest_existing
+from uploader.redact import redact_text
 from uploader.remote import Remote, open_remote
 from uploader.sync import list_remote, pull_newest, push_all
 from uploader.watch import watch as watch_loop
@@ -107,7 +108,7 @@ def report_click_error(prog: str, e: click.ClickException) -> int:
         return e.exit_code
     ctx = getattr(e, "ctx", None)
     command = ctx.command_path if ctx is not None else prog
-    click.echo(f"{prog}: error: {e.format_message()} (see '{command} --help')", err=True)
+    click.echo(redact_text(f"{prog}: error: {e.format_message()} (see '{command} --help')"), err=True)
     return e.exit_code
 
 
@@ -145,8 +146,9 @@ class _Main(click.Group):
 
     @staticmethod
     def _fail(e: BaseException, code: int, prefix: str = "") -> None:
-        logger.debug("details", exc_info=e)
-        line = " ".join(str(e).split()) or type(e).__name__
+        logger.debug("details", exc_info=e)  # the console's handlers redact URLs in it too
+        # Our own messages are secret-free already; an unexpected exception's text may hold a URL.
+        line = redact_text(" ".join(str(e).split())) or type(e).__name__
         click.echo(f"uploader: error: {prefix}{line}", err=True)
         raise click.exceptions.Exit(code)
 
@@ -165,7 +167,7 @@ Exit codes: 0 ok; 1 unexpected; 2 usage; 3 auth/permission; 4 bucket missing;
         help="Bucket addressing; 'path' for MinIO/SeaweedFS behind one host name.")
 @option("--max-attempts", type=click.IntRange(min=1), default=8, help="Attempts per request (1 = no retry).")
 @option("--max-retry-seconds", type=click.FloatRange(min=0, min_open=True), default=120.0,
-        help="Give up retrying one request after this long.")
+        help="Wall-clock limit on one request, all its attempts together (keep it above the time one part takes).")
 @option("--connect-timeout", type=click.FloatRange(min=0, min_open=True), default=10.0, help="Seconds.")
 @option("--read-timeout", type=click.FloatRange(min=0, min_open=True), default=60.0, help="Seconds.")
 @option("--multipart-threshold", type=Size(), default="64MiB", help="Files this large go up in parts.")

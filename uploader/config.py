@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
+from uploader.redact import redact_url
+
 KiB = 1024
 MiB = 1024 * KiB
 GiB = 1024 * MiB
@@ -28,6 +30,11 @@ class UploadConfig:
     ``part_size`` and ``concurrency`` bound memory: a transfer holds at most about
     ``(concurrency + 1) * part_size`` bytes (144 MiB with the defaults). 16 MiB parts with 8 in
     flight keep a 10 Gbit/s link busy on S3 while keeping a checkpoint's part count low.
+
+    ``max_retry_seconds`` bounds one operation (one request and its response body, e.g. one part
+    or one range) on the wall clock, all its attempts together, whatever the server does (see
+    uploader.deadline): keep it well above the time one part takes to move on the slowest link
+    expected (16 MiB at 1 MiB/s: 16 s). The timeouts bound each connect and each socket read.
     """
 
     endpoint_url: str | None = None
@@ -46,8 +53,8 @@ class UploadConfig:
         if self.endpoint_url is not None:
             parsed = urlparse(self.endpoint_url)
             if parsed.scheme not in ("http", "https") or not parsed.netloc:
-                raise ValueError(
-                    f"endpoint_url {self.endpoint_url!r} is not an http(s) URL, e.g. http://127.0.0.1:8333"
+                raise ValueError(  # the value may hold a user:password (redacted: the message is printed)
+                    f"endpoint_url {redact_url(self.endpoint_url)!r} is not an http(s) URL, e.g. http://127.0.0.1:8333"
                 )
         if self.addressing not in ADDRESSING_STYLES:
             raise ValueError(f"addressing must be one of {', '.join(ADDRESSING_STYLES)}, not {self.addressing!r}")

@@ -15,10 +15,13 @@ from dataclasses import asdict
 from typing import Any, TextIO
 
 from uploader.progress import human_bytes
+from uploader.redact import redact_text
 from uploader.sync import RemoteCheckpoint
 
 # Third-party loggers stay at WARNING whatever --log-level says: at DEBUG they print request
-# headers, and we promise to never log anything credential-like.
+# headers, and we promise to never log anything credential-like. For the same reason both handlers
+# redact the userinfo and query string of every URL in a line (uploader.redact), traceback included:
+# the library's own messages are redacted at the source, other libraries' texts are not.
 QUIET_LOGGERS = ("botocore", "boto3", "urllib3", "s3transfer")
 _OURS = "_uploader_console"
 
@@ -45,7 +48,7 @@ class TerminalHandler(logging.StreamHandler):  # type: ignore[type-arg]
                 if self._dangling:
                     self.stream.write("\n")
                     self._dangling = False
-                self.stream.write(self.format(record) + "\n")
+                self.stream.write(redact_text(self.format(record)) + "\n")
             self.flush()
         except Exception:  # noqa: BLE001 - logging must never break the upload
             self.handleError(record)
@@ -60,7 +63,7 @@ class JsonLinesHandler(logging.StreamHandler):  # type: ignore[type-arg]
                 "ts": round(record.created, 3),  # the key the job's JSON logs use (job.logs)
                 "level": record.levelname.lower(),
                 "logger": record.name,
-                "message": record.getMessage(),
+                "message": redact_text(record.getMessage()),
             }
             doc.update(getattr(record, "progress", None) or {})
             self.stream.write(json.dumps(doc) + "\n")

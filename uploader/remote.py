@@ -19,6 +19,7 @@ from typing import Protocol
 from urllib.parse import urlparse
 
 from uploader.config import UploadConfig
+from uploader.redact import redact_url
 
 OnBytes = Callable[[int], None]
 
@@ -50,8 +51,10 @@ class Remote(Protocol):
         """Size and stored sha256 of one object, None if it does not exist."""
         ...
 
-    def read_bytes(self, key: str) -> bytes | None:
-        """A small object's content (manifest, ``latest``), None if it does not exist."""
+    def read_bytes(self, key: str, limit: int | None = None) -> bytes | None:
+        """A small object's content (manifest, ``latest``), None if it does not exist. With ``limit``
+        at most ``limit + 1`` bytes are read, whatever the object's size: a caller that gets more than
+        ``limit`` knows the object is too large without having read it."""
         ...
 
     def write_bytes(self, key: str, data: bytes) -> None:
@@ -90,6 +93,11 @@ class Remote(Protocol):
         """
         ...
 
+    def copy(self, source: str, dest: str, *, size: int) -> None:
+        """Copy one object of ``size`` bytes inside the remote (server-side where the storage can), to set
+        a checkpoint aside (uploader.sync); CorruptCheckpoint if the source is missing."""
+        ...
+
     def delete(self, keys: Sequence[str]) -> None:
         """Delete objects, in the order given; missing ones are not an error."""
         ...
@@ -102,8 +110,9 @@ class Remote(Protocol):
 def s3_location(url: str) -> tuple[str, str]:
     """(bucket, prefix) of ``s3://bucket/prefix``; ValueError, saying what is expected, otherwise."""
     parsed = urlparse(url)
-    if parsed.scheme != "s3" or not parsed.netloc or parsed.query or parsed.fragment:
-        raise ValueError(f"not an S3 remote: {url!r}; expected s3://bucket/prefix")
+    # No "@": s3://user:secret@bucket is no bucket name, and would carry the secret into every message.
+    if parsed.scheme != "s3" or not parsed.netloc or "@" in parsed.netloc or parsed.query or parsed.fragment:
+        raise ValueError(f"not an S3 remote: {redact_url(url)!r}; expected s3://bucket/prefix")
     return parsed.netloc, parsed.path
 
 
@@ -112,7 +121,7 @@ def file_location(url: str) -> Path:
     that would name a host)."""
     parsed = urlparse(url)
     if parsed.scheme != "file" or parsed.netloc not in ("", "localhost") or not parsed.path.startswith("/"):
-        raise ValueError(f"not a file remote: {url!r}; expected file:///absolute/path (three slashes)")
+        raise ValueError(f"not a file remote: {redact_url(url)!r}; expected file:///absolute/path (three slashes)")
     return Path(parsed.path)
 
 
@@ -129,7 +138,7 @@ def check_url(url: str) -> None:
     elif scheme == "file":
         file_location(url)
     else:
-        raise ValueError(_UNSUPPORTED.format(url=url))
+        raise ValueError(_UNSUPPORTED.format(url=redact_url(url)))
 
 
 def open_remote(url: str, config: UploadConfig) -> Remote:
@@ -148,4 +157,4 @@ def open_remote(url: str, config: UploadConfig) -> Remote:
         from uploader.filesystem import FileRemote
 
         return FileRemote.from_url(url)
-    raise ValueError(_UNSUPPORTED.format(url=url))
+    raise ValueError(_UNSUPPORTED.format(url=redact_url(url)))

@@ -11,6 +11,10 @@ Why tenacity and not botocore:
   one part of a multipart upload (a reset re-sends 16 MiB, not the whole file);
 * one place sets the limits (attempts AND total seconds, both from UploadConfig), logs one line per
   retry and can be interrupted (a watch whose grace period is over stops retrying at once);
+* ``max_retry_seconds`` is a wall-clock bound on the whole operation, all attempts together: no
+  attempt starts, and no pause between attempts ends, after the operation's deadline, and the S3
+  Remote runs each attempt under that same deadline (uploader.deadline cuts its connection), since a
+  server that trickles bytes never trips a socket timeout (issue 16);
 * s3transfer is not used for the same reason: its downloads retry streaming errors themselves
   (a second layer) and a failed upload restarts the whole file.
 
@@ -36,13 +40,14 @@ from tenacity import (
     Retrying,
     retry_if_exception,
     stop_after_attempt,
-    stop_after_delay,
     wait_exponential,
     wait_random,
 )
 from tenacity.stop import stop_base
+from tenacity.wait import wait_base
 
 from uploader.config import UploadConfig
+from uploader.redact import redact_text
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +110,9 @@ def describe(exc: BaseException) -> str:
     code, status = error_code(exc)
     if code:
         return f"{code} (HTTP {status})"
-    text = str(exc).splitlines()[0] if str(exc) else ""
+    # botocore's texts hold the request URL (EndpointConnectionError: 'Could not connect to the
+    # endpoint URL: "http://user:pass@host/bucket?..."'): userinfo and query strings are cut out.
+    text = redact_text(str(exc).splitlines()[0]) if str(exc) else ""
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
@@ -117,6 +124,29 @@ class _stop_when(stop_base):
 
     def __call__(self, retry_state: RetryCallState) -> bool:
         return self._predicate()
+
+
+class _stop_at(stop_base):
+    """Stop once the next attempt could not start before ``deadline`` (time.monotonic()): the
+    operation's budget is spent. tenacity 9 computes the pause (``upcoming_sleep``) before asking;
+    where a version does not, this is a plain time limit, and _wait_until keeps pauses short of it."""
+
+    def __init__(self, deadline: float) -> None:
+        self._deadline = deadline
+
+    def __call__(self, retry_state: RetryCallState) -> bool:
+        return time.monotonic() + float(getattr(retry_state, "upcoming_sleep", 0.0) or 0.0) >= self._deadline
+
+
+class _wait_until(wait_base):
+    """``wait``, but never past ``deadline``: the pause before a retry does not overrun the budget."""
+
+    def __init__(self, wait: wait_base, deadline: float) -> None:
+        self._wait = wait
+        self._deadline = deadline
+
+    def __call__(self, retry_state: RetryCallState) -> float:
+        return max(0.0, min(self._wait(retry_state), self._deadline - time.monotonic()))
 
 
 def _sleeper(abort: Callable[[], bool] | None) -> Callable[[float], None]:
@@ -132,9 +162,16 @@ def _sleeper(abort: Callable[[], bool] | None) -> Callable[[float], None]:
     return sleep
 
 
-def retrying(config: UploadConfig, what: str, abort: Callable[[], bool] | None = None) -> Retrying:
-    """The retry policy for one operation; ``what`` names it in the per-retry log line."""
-    stop = stop_after_attempt(config.max_attempts) | stop_after_delay(config.max_retry_seconds)
+def retrying(config: UploadConfig, what: str, abort: Callable[[], bool] | None = None,
+             deadline: float | None = None) -> Retrying:
+    """The retry policy for one operation; ``what`` names it in the per-retry log line.
+
+    ``deadline`` (time.monotonic()) is when the operation's budget ends, by default
+    ``config.max_retry_seconds`` from now; a caller that also bounds each attempt (uploader.s3)
+    passes the same value to both."""
+    if deadline is None:
+        deadline = time.monotonic() + config.max_retry_seconds
+    stop = stop_after_attempt(config.max_attempts) | _stop_at(deadline)
     if abort is not None:
         stop = stop | _stop_when(abort)
 
@@ -154,7 +191,7 @@ def retrying(config: UploadConfig, what: str, abort: Callable[[], bool] | None =
         stop=stop,
         # = wait_exponential_jitter, spelled so that it works (without deprecation warnings) from
         # tenacity 8.2, whose wait_exponential_jitter takes `initial`, to 9.x, which deprecates it.
-        wait=wait_exponential(multiplier=INITIAL_WAIT, max=MAX_WAIT) + wait_random(0, JITTER),
+        wait=_wait_until(wait_exponential(multiplier=INITIAL_WAIT, max=MAX_WAIT) + wait_random(0, JITTER), deadline),
         retry=retry_if_exception(is_transient),
         before_sleep=log_retry,
         sleep=_sleeper(abort),

@@ -10,6 +10,10 @@ Credentials come only from boto3's standard chain (environment, shared files, we
 container and instance profiles). They are never passed around, printed or logged; error messages
 name the bucket and endpoint instead.
 
+Every attempt of every request runs under the operation's wall-clock deadline (its retry budget,
+``max_retry_seconds``): the connections it uses are cut when the deadline passes (uploader.deadline),
+so that a server trickling bytes, which no socket timeout catches, cannot hold an operation for longer.
+
 Large files go up as multipart uploads and come down as ranged GETs, ``concurrency`` parts at a time
 (uploader.parallel), each file read or written once; downloads are not fsynced (Remote.get_file).
 Format 2 files (block digests) are hashed by the thread that moves each part, with ranges and parts
@@ -24,16 +28,24 @@ import http.client
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 import boto3
 from botocore import exceptions as boto_errors
+from botocore.awsrequest import (
+    AWSHTTPConnection,
+    AWSHTTPConnectionPool,
+    AWSHTTPSConnection,
+    AWSHTTPSConnectionPool,
+)
 from botocore.config import Config
 from tenacity import RetryError
 
-from uploader.config import MAX_PARTS, KiB, MiB, UploadConfig
+from uploader.config import MAX_PART_SIZE, MAX_PARTS, KiB, MiB, UploadConfig
+from uploader.deadline import DeadlineExceeded, bounded, track
 from uploader.exceptions import (
     Aborted,
     AuthError,
@@ -45,6 +57,7 @@ from uploader.exceptions import (
 )
 from uploader.hashing import PartDigest, RangeHasher, align_up, digest_bytes, hash_range, pwrite_all, start_writeback
 from uploader.parallel import ordered_map
+from uploader.redact import redact_url
 from uploader.remote import ObjectInfo, OnBytes, s3_location
 from uploader.retry import describe, error_code, is_transient, retrying
 
@@ -100,7 +113,70 @@ def make_client(config: UploadConfig) -> Any:
         tcp_keepalive=True,
         user_agent_extra="spot-trainer-uploader",
     )
-    return boto3.session.Session().client("s3", endpoint_url=config.endpoint_url, config=botocore_config)
+    client = boto3.session.Session().client("s3", endpoint_url=config.endpoint_url, config=botocore_config)
+    _track_connections(client)
+    return client
+
+
+# -- which connection an attempt uses (for uploader.deadline) --------------------------------------
+#
+# The watchdog must know which socket a thread's attempt is blocked on, including while the response
+# headers arrive, before botocore hands anything back. Neither botocore's events nor urllib3's
+# public API say which pooled connection a request got, so each connection says it itself: urllib3
+# builds connections from its pool's ``ConnectionCls`` (a documented, overridable class attribute),
+# and calls ``request()`` on the chosen one in the requesting thread (``connect()`` too, before it,
+# for HTTPS). The subclasses below are botocore's own classes with that one call added.
+#
+# They are installed for our client only, never process-wide: botocore's URLLib3Session builds
+# every pool, its proxies' included, from one dict, ``_pool_classes_by_scheme`` (the urllib3
+# PoolManager's public ``pool_classes_by_scheme`` is that same dict), which is filled in before the
+# first request. That dict and ``client._endpoint.http_session`` are the two private names used,
+# checked here: if a botocore release moves them, the client still works, attempts are bounded only
+# by the socket timeouts again, and a warning says so (the trickle tests in tests/uploader/
+# test_deadlines.py fail).
+
+
+class _TrackedConnection:
+    """Mixin: register with uploader.deadline whenever this thread starts using the connection."""
+
+    def connect(self) -> None:
+        track(self)
+        super().connect()  # type: ignore[misc]
+        track(self)  # again, with the new socket: a response may outlive the connection's hold on it
+
+    def request(self, *args: Any, **kwargs: Any) -> None:
+        track(self)
+        super().request(*args, **kwargs)  # type: ignore[misc]
+
+
+class _TrackedHTTPConnection(_TrackedConnection, AWSHTTPConnection):
+    pass
+
+
+class _TrackedHTTPSConnection(_TrackedConnection, AWSHTTPSConnection):
+    pass
+
+
+class _TrackedHTTPConnectionPool(AWSHTTPConnectionPool):
+    ConnectionCls = _TrackedHTTPConnection
+
+
+class _TrackedHTTPSConnectionPool(AWSHTTPSConnectionPool):
+    ConnectionCls = _TrackedHTTPSConnection
+
+
+def _track_connections(client: Any) -> bool:
+    """Make ``client``'s connections tell uploader.deadline which attempt uses them (see above)."""
+    session = getattr(getattr(client, "_endpoint", None), "http_session", None)
+    classes = getattr(session, "_pool_classes_by_scheme", None)
+    expected = {"http": AWSHTTPConnectionPool, "https": AWSHTTPSConnectionPool}
+    if not isinstance(classes, dict) or classes != expected:
+        logger.warning("this botocore (%s) cannot tell which connection a request uses: a server that "
+                       "sends slowly can hold a request for longer than max_retry_seconds",
+                       getattr(boto3, "__version__", "?"))
+        return False
+    classes.update(http=_TrackedHTTPConnectionPool, https=_TrackedHTTPSConnectionPool)
+    return True
 
 
 def part_size_for(size: int, preferred: int) -> int:
@@ -128,7 +204,8 @@ class S3Remote:
 
     @property
     def endpoint(self) -> str:
-        return str(self._client.meta.endpoint_url)
+        """The endpoint URL for messages: any ``user:password@`` or query string in it is redacted."""
+        return redact_url(str(self._client.meta.endpoint_url))
 
     def describe(self) -> str:
         return f"bucket {self.bucket!r} at {self.endpoint}"
@@ -170,7 +247,7 @@ class S3Remote:
 
         return self._call(f"HEAD {key}", op)
 
-    def read_bytes(self, key: str) -> bytes | None:
+    def read_bytes(self, key: str, limit: int | None = None) -> bytes | None:
         def op() -> bytes | None:
             try:
                 reply = self._client.get_object(Bucket=self.bucket, Key=self._key(key))
@@ -178,8 +255,8 @@ class S3Remote:
                 if error_code(e)[0] == "NoSuchKey":
                     return None
                 raise
-            with contextlib.closing(reply["Body"]) as body:
-                return bytes(body.read())
+            with contextlib.closing(reply["Body"]) as body:  # closed unread: the connection is dropped
+                return bytes(body.read() if limit is None else body.read(limit + 1))
 
         return self._call(f"GET {key}", op)
 
@@ -276,6 +353,31 @@ class S3Remote:
         # No fsync (Remote.get_file): writeback has started per range; the bucket is the durable copy.
         if digest.hexdigest() != sha256:
             raise CorruptCheckpoint(f"{self.url}/{key} fails its sha256 check")
+
+    def copy(self, source: str, dest: str, *, size: int) -> None:
+        """Server-side: one CopyObject up to 5 GiB, UploadPartCopy in parts above (S3's limit)."""
+        copy_source = {"Bucket": self.bucket, "Key": self._key(source)}
+        if size <= MAX_PART_SIZE:
+            self._call(f"copy {source} to {dest}", lambda: self._client.copy_object(
+                Bucket=self.bucket, Key=self._key(dest), CopySource=copy_source, MetadataDirective="COPY"))
+            return
+        full = self._key(dest)
+        part_size = part_size_for(size, MAX_PART_SIZE)
+        upload_id = self._call(f"start multipart copy to {dest}", lambda: self._client.create_multipart_upload(
+            Bucket=self.bucket, Key=full))["UploadId"]
+        try:
+            parts = []
+            for number, start in enumerate(range(0, size, part_size), start=1):
+                span = f"bytes={start}-{min(start + part_size, size) - 1}"
+                reply = self._call(f"copy {source} {span}", functools.partial(
+                    self._client.upload_part_copy, Bucket=self.bucket, Key=full, UploadId=upload_id,
+                    PartNumber=number, CopySource=copy_source, CopySourceRange=span))
+                parts.append({"PartNumber": number, "ETag": reply["CopyPartResult"]["ETag"]})
+            self._call(f"complete multipart copy to {dest}", lambda: self._client.complete_multipart_upload(
+                Bucket=self.bucket, Key=full, UploadId=upload_id, MultipartUpload={"Parts": parts}))
+        except BaseException:
+            self._abort_multipart(full, upload_id)
+            raise
 
     def delete(self, keys: Sequence[str]) -> None:
         for start in range(0, len(keys), DELETE_BATCH):
@@ -389,10 +491,14 @@ class S3Remote:
             raise
 
     def _abort_multipart(self, full_key: str, upload_id: str) -> None:
-        """Best effort, one attempt: a bucket lifecycle rule (AbortIncompleteMultipartUpload) catches the rest."""
+        """Best effort, one attempt, itself bounded by max_retry_seconds: a bucket lifecycle rule
+        (AbortIncompleteMultipartUpload) catches the rest."""
+        budget = self.config.max_retry_seconds
         try:
-            self._client.abort_multipart_upload(Bucket=self.bucket, Key=full_key, UploadId=upload_id)
-        except (boto_errors.BotoCoreError, boto_errors.ClientError) as e:
+            bounded(time.monotonic() + budget, functools.partial(
+                self._client.abort_multipart_upload, Bucket=self.bucket, Key=full_key, UploadId=upload_id
+            ), budget)
+        except (boto_errors.BotoCoreError, boto_errors.ClientError, DeadlineExceeded) as e:
             logger.warning("could not abort the multipart upload of %s (%s); it holds storage until a "
                            "lifecycle rule removes it", full_key, describe(e))
 
@@ -402,11 +508,17 @@ class S3Remote:
         return f"{self.prefix}/{key}" if self.prefix else key
 
     def _call(self, what: str, fn: Callable[[], T], abort: Callable[[], bool] | None = None) -> T:
-        """Run one operation under the retry policy and turn botocore errors into ours."""
+        """Run one operation under the retry policy and turn botocore errors into ours.
+
+        The retry budget is one wall-clock deadline for the whole operation: tenacity starts no
+        attempt after it, and each attempt is cut at it (uploader.deadline), so the operation ends
+        within about ``max_retry_seconds`` whatever the server does."""
         if abort is not None and abort():
             raise Aborted(f"{what} on {self.url}: stopped on request")
+        budget = self.config.max_retry_seconds
+        deadline = time.monotonic() + budget
         try:
-            return retrying(self.config, what, abort)(fn)
+            return retrying(self.config, what, abort, deadline)(lambda: bounded(deadline, fn, budget))
         except RetryError as e:
             if abort is not None and abort():
                 raise Aborted(f"{what} on {self.url}: stopped on request") from None

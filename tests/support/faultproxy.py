@@ -9,6 +9,9 @@ Faults can be switched while traffic flows:
 * ``slow_down(k)``: the next ``k`` requests are answered ``503 Slow Down`` with an S3 XML error body,
   without reaching the server;
 * ``delay(seconds)``: sleep before forwarding every chunk (a slow link);
+* ``trickle(interval, after=0)``: responses (server to client) go on one byte every ``interval``
+  seconds, on every connection, open ones included, once it has forwarded ``after`` more response
+  bytes at full speed: a server or middlebox that never stalls long enough for a socket timeout;
 * ``passthrough()``: no fault.
 
 Requests are framed by parsing HTTP/1.1 heads and Content-Length (all the S3 SDK sends), so the proxy
@@ -61,6 +64,9 @@ class FaultProxy:
         self._generation = 0  # bumped by reset_after(): connections then claim a fresh budget
         self._slowdowns = 0
         self._delay = 0.0
+        self._trickle: float | None = None
+        self._trickle_after = 0
+        self._trickle_generation = 0  # bumped by trickle(): connections then count `after` afresh
         self._sockets: set[socket.socket] = set()
         self._listener = socket.create_server((LOOPBACK, 0))
         self.port = self._listener.getsockname()[1]
@@ -76,6 +82,7 @@ class FaultProxy:
     def passthrough(self) -> None:
         with self._lock:
             self._reset_after, self._reset_times, self._slowdowns, self._delay = None, None, 0, 0.0
+            self._trickle = None
             self._generation += 1
 
     def reset_after(self, nbytes: int, times: int | None = None, graceful: bool = False) -> None:
@@ -90,6 +97,11 @@ class FaultProxy:
     def delay(self, seconds: float) -> None:
         with self._lock:
             self._delay = seconds
+
+    def trickle(self, interval_seconds: float, after: int = 0) -> None:
+        with self._lock:
+            self._trickle, self._trickle_after = interval_seconds, after
+            self._trickle_generation += 1
 
     def close(self) -> None:
         self._closed = True
@@ -150,6 +162,11 @@ class FaultProxy:
         with self._lock:
             return self._delay
 
+    def _current_trickle(self) -> tuple[float | None, int, int]:
+        """(interval or None, bytes to pass at full speed first, generation of that setting)."""
+        with self._lock:
+            return self._trickle, self._trickle_after, self._trickle_generation
+
 
 class _Connection:
     """One proxied connection: requests framed client->server, responses streamed back."""
@@ -162,6 +179,8 @@ class _Connection:
         self.budget: int | None = None
         self.lock = threading.Lock()
         self.dead = False
+        self.trickle_generation = 0  # the trickle() setting `fast_left` counts for
+        self.fast_left = 0  # response bytes still forwarded at full speed under the current trickle
 
     def pump_requests(self) -> None:
         buf = b""
@@ -237,7 +256,31 @@ class _Connection:
                         dest.sendall(allowed)
                     raise _Reset()
                 self.budget -= len(data)
-        dest.sendall(data)
+        if dest is self.client:
+            self._send_response_bytes(data)
+        else:
+            dest.sendall(data)
+
+    def _send_response_bytes(self, data: bytes) -> None:
+        """To the client, trickled one byte at a time while trickle() says so (re-read at every byte,
+        so that passthrough() takes effect mid-response)."""
+        sent = 0
+        while sent < len(data):
+            interval, after, generation = self.proxy._current_trickle()
+            if interval is None:
+                self.client.sendall(data[sent:])
+                return
+            if generation != self.trickle_generation:
+                self.trickle_generation, self.fast_left = generation, after
+            if self.fast_left > 0:
+                n = min(self.fast_left, len(data) - sent)
+                self.client.sendall(data[sent : sent + n])
+                self.fast_left -= n
+                sent += n
+                continue
+            self.client.sendall(data[sent : sent + 1])
+            sent += 1
+            time.sleep(interval)
 
     def _reset(self) -> None:
         with self.lock:

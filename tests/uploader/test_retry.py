@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import http.client
 import logging
+import time
 
 import pytest
 import urllib3.exceptions
@@ -90,3 +91,19 @@ def test_the_time_limit_stops_retrying_before_the_attempts_run_out() -> None:
     with pytest.raises(RetryError):
         retrying(UploadConfig(max_attempts=50, max_retry_seconds=0.5), "GET k")(flaky)
     assert 1 < flaky.calls < 50
+
+
+def test_no_attempt_starts_once_the_budget_is_spent() -> None:
+    """max_retry_seconds bounds the whole operation: a pause that would end past it is not taken.
+    (0.6 s: the second attempt starts 0.25-0.5 s in, a third could only start 0.75 s in or later.)"""
+    starts: list[float] = []
+    flaky = Flaky(boto_errors.EndpointConnectionError(endpoint_url="http://x"))
+
+    def attempt() -> None:
+        starts.append(time.monotonic())
+        flaky()
+
+    began = time.monotonic()
+    with pytest.raises(RetryError):
+        retrying(UploadConfig(max_attempts=50, max_retry_seconds=0.6), "GET k")(attempt)
+    assert len(starts) >= 2 and all(t - began < 0.7 for t in starts), [round(t - began, 2) for t in starts]
