@@ -153,9 +153,7 @@ def choose(cfg: CheckpointConfig, checkpointer: Checkpointer, store: RemoteStore
 
     ``pulling`` is the remote pull started before the model was built (RemoteStore.start_pull).
     """
-    if cfg.resume == "never":
-        if local.list_committed(cfg.folder):
-            logger.warning("--resume never: ignoring the checkpoints already in %s", cfg.folder)
+    if cfg.resume == "never":  # check_new_run made sure that nothing is there to be mixed with
         return None
     if cfg.resume != "auto":
         folder, manifest = open_checkpoint(Path(cfg.resume))
@@ -166,8 +164,8 @@ def choose(cfg: CheckpointConfig, checkpointer: Checkpointer, store: RemoteStore
         pulled = store.pull_if_newer(cfg.folder) if store is not None else None
     if store is not None and pulled is not None:
         return _resume_from_pull(store, pulled)
-    found = checkpointer.newest()
     committed = local.list_committed(cfg.folder)
+    found = checkpointer.newest()  # sets aside the newer ones that fail verification
     if store is not None and committed and (found is None or found[0].step < committed[-1].step):
         # The newest local checkpoint is corrupt (a pull torn by a power cut: pulls are not fsynced)
         # and was skipped: the bucket may still hold it, or something newer than the older local one.
@@ -175,13 +173,43 @@ def choose(cfg: CheckpointConfig, checkpointer: Checkpointer, store: RemoteStore
         if pulled is not None:
             return _resume_from_pull(store, pulled)
     if found is None:
-        if committed:  # starting from step 0 would silently throw away all of that work
-            raise CheckpointLoadError(
-                f"none of the {len(committed)} checkpoint(s) in {cfg.folder} verifies (see the warnings above); "
-                "restore one, or pass --resume never to start again from step 0")
+        _refuse_to_start_over(cfg, committed, store)
         return None
     ckpt, manifest = found
     return ckpt.path, manifest, str(ckpt.path)
+
+
+def _refuse_to_start_over(cfg: CheckpointConfig, committed: list[LocalCheckpoint], store: RemoteStore | None) -> None:
+    """Nothing verifies: when the run has a history (checkpoints that failed verification, now or at an
+    earlier start), starting from step 0 would silently throw that work away; say so (exit 6) instead."""
+    failed = []
+    if committed:
+        failed.append(f"none of the {len(committed)} checkpoint(s) in {cfg.folder} verifies")
+    elif local.list_set_aside(cfg.folder):
+        failed.append(f"the checkpoints in {cfg.folder} failed verification (set aside as corrupt-step-*)")
+    if store is not None and store.holds_checkpoints():
+        failed.append(f"none in {store.url} verifies (the ones that failed are set aside as corrupt-step-* "
+                      "where the credentials allow)")
+    if failed:
+        raise CheckpointLoadError(
+            f"{'; '.join(failed)} (see the warnings above): restore a good checkpoint, or pass --resume never "
+            "to start again from step 0")
+
+
+def check_new_run(cfg: CheckpointConfig, store: RemoteStore | None) -> None:
+    """``--resume never`` starts a new run: refused where an earlier run's checkpoints would be mixed with
+    its own (they would stay newest, and the next start would resume them). One run per folder and
+    prefix; checkpoints set aside as corrupt do not count, they are never chosen."""
+    committed = local.list_committed(cfg.folder)
+    if committed:
+        raise ConfigError(
+            f"--resume never: {cfg.folder} already holds checkpoints of a run (newest step {committed[-1].step}); "
+            "a new run needs its own --save-folder: choose another one, or move these away first")
+    steps = store.complete_steps() if store is not None else []
+    if store is not None and steps:
+        raise ConfigError(
+            f"--resume never: {store.url} already holds checkpoints of a run (newest step {steps[-1]}); a new run "
+            "needs a new --remote prefix (one run per prefix): choose one, or delete that prefix first")
 
 
 def _resume_from_pull(store: RemoteStore, pulled: LocalCheckpoint) -> tuple[Path, Manifest, str]:
@@ -242,11 +270,16 @@ def _stop_for_preemption(state: State, cadence: CheckpointCadence, store: Remote
     else:
         cadence.save_durable(state)
         durable = True
+    # From here on nothing is pruned, so the checkpoint the event names is on disk for the next start.
+    cadence.checkpointer.freeze_retention()
     if not durable:
         event(logger, "grace_too_short", level=logging.WARNING, step=step, seconds_left=round(stop.time_left(), 1),
               seconds_needed=round(needed, 1), kept_step=cadence.kept_step(),
               message="no time for a final checkpoint; exiting before the kill with the previous one")
     kept = cadence.kept_step()
+    if distributed.rank() == 0 and kept is not None and not cadence.checkpointer.committed(kept):
+        # The write in flight committed, and pruned the one before it, just before the freeze.
+        kept = cadence.last_step
     uploaded: bool | None = None  # null in the event: this job does not upload (no remote, sidecar, off)
     if store is not None and store.uploads and kept is not None:
         uploaded = store.wait(_until_exit(stop))
@@ -279,7 +312,10 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
     # The newest remote checkpoint downloads while the model is built: a resume waits for the larger one.
     pulling = store.start_pull(ckpt_cfg.folder) if store is not None and ckpt_cfg.resume == "auto" else None
     checkpointer: Checkpointer | None = None
+    failed = False
     try:
+        if leader and ckpt_cfg.resume == "never":
+            check_new_run(ckpt_cfg, store)
         if store is not None:  # while the pull runs: read-only credentials fail before the model is built
             store.check_writable()
         run = build(cfg)
@@ -327,7 +363,7 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
             return Outcome(state, preempted=True, writing=checkpointer.busy())
         cadence.save_durable(state)
         if store is not None:
-            store.wait(None)
+            store.wait_final(state.timer.batch.value, ckpt_cfg.folder)
         distributed.barrier()
         if distributed.node_leader():  # on other nodes the folder is empty: their sidecars simply leave
             local.mark_finished(ckpt_cfg.folder, state.timer.batch.value, reason="completed")
@@ -335,11 +371,12 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
               metrics={label: {k: round(float(v), 6) for k, v in m.items()} for label, m in state.current_metrics.items()})
         return Outcome(state, preempted=False)
     except Exception:
+        failed = True
         if checkpointer is not None:  # a failure in the loop can find a checkpoint being written
             checkpointer.close(timeout=_until_exit(stop))
         if distributed.node_leader():
             _mark_failed(ckpt_cfg.folder)
         raise
     finally:
-        if store is not None:
-            store.close(timeout=0 if stop.requested else None)
+        if store is not None:  # a failed or stopped job does not wait for uploads: they had their time
+            store.close(timeout=0 if stop.requested or failed else None)

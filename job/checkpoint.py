@@ -65,6 +65,18 @@ class Checkpointer:
         self._writer: threading.Thread | None = None
         self._reserving: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._retention = threading.Lock()  # a commit's prune, against freeze_retention
+        self._retention_frozen = False
+
+    def freeze_retention(self) -> None:
+        """From now on no commit prunes (a write still in flight included): the job is stopping and is
+        about to name the checkpoint it keeps, which must still exist when the next start looks."""
+        with self._retention:
+            self._retention_frozen = True
+
+    def committed(self, step: int) -> bool:
+        """Whether a committed checkpoint of ``step`` is in the folder now."""
+        return any(c.step == step for c in local.list_committed(self.folder))
 
     def in_flight(self) -> bool:
         """A checkpoint is being written."""
@@ -226,7 +238,9 @@ class Checkpointer:
     def _commit(self, staging: Path, manifest: Manifest, started: float) -> local.LocalCheckpoint:
         """Manifest last, rename, prune, report: the checkpoint counts from here on."""
         ckpt = local.commit(staging, manifest)
-        local.prune(self.folder, self.keep, protect=self.protect())
+        with self._retention:
+            if not self._retention_frozen:
+                local.prune(self.folder, self.keep, manifest.step, protect=self.protect())
         self.last_write_seconds = time.perf_counter() - started
         event(logger, "checkpoint", step=manifest.step, path=str(ckpt.path), bytes=manifest.total_size,
               seconds=round(self.last_write_seconds, 3))
@@ -235,8 +249,10 @@ class Checkpointer:
         return ckpt
 
     def newest(self) -> tuple[local.LocalCheckpoint, Manifest] | None:
+        """The checkpoint to resume from at start-up; the ones newer than it that fail verification are
+        set aside (uploader.local.set_aside), so they are never chosen, counted or pruned again."""
         local.clean_staging(self.folder)
-        return local.newest_verified(self.folder)
+        return local.newest_verified(self.folder, set_aside_corrupt=True)
 
 
 def claim_folder(folder: Path) -> None:

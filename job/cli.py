@@ -32,6 +32,7 @@ from state import SEED_LIMIT, Precision, PrecisionError, Time
 from uploader.cli import exit_code as storage_exit_code, report_click_error
 from uploader.config import ADDRESSING_STYLES, UploadConfig
 from uploader.exceptions import UploaderError
+from uploader.redact import redact_text
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +136,9 @@ def _dump_stacks_on_sigusr1() -> None:
 @option("--remote", default=None, help="s3://bucket/prefix or file:///path: pull on start-up, upload checkpoints.")
 @option("--upload", type=click.Choice(UPLOAD_MODES), default="inprocess",
         help="inprocess: upload in a background thread; sidecar: leave it to `uploader watch`; off.")
+@option("--final-upload-timeout", type=click.FloatRange(min=0, min_open=True), default=600.0,
+        help="At the end of training, seconds to wait for the final checkpoint's upload before exiting 5 "
+             "(the checkpoint stays in --save-folder for the next start or a sidecar).")
 @option("--endpoint-url", default=None, help="S3 endpoint (MinIO, SeaweedFS, ...); AWS_ENDPOINT_URL is honoured too.")
 @option("--addressing", type=click.Choice(ADDRESSING_STYLES), default="auto", help="S3 addressing; path for MinIO.")
 @option("--grace-period", type=click.FloatRange(min=0), default=25.0,
@@ -169,7 +173,8 @@ def train(**o: Any) -> None:
         ckpt = CheckpointConfig(folder=o["save_folder"], interval=o["save_interval"], keep=o["keep"], resume=o["resume"],
                                 async_save=o["async_save"])
         remote = RemoteConfig(url=o["remote"], mode=o["upload"], upload=UploadConfig(
-            endpoint_url=o["endpoint_url"], addressing=o["addressing"], keep=o["keep"]))
+            endpoint_url=o["endpoint_url"], addressing=o["addressing"], keep=o["keep"]),
+            final_upload_timeout=o["final_upload_timeout"])
         check_endpoint(o["spot_endpoint"])
     except (ValueError, PrecisionError) as e:
         raise ConfigError(str(e)) from None
@@ -241,7 +246,7 @@ def describe_remote(url: str, tmp: Path, endpoint_url: str | None, addressing: s
 
     remote = open_remote(url, UploadConfig(endpoint_url=endpoint_url, addressing=addressing))
     try:
-        pulled = pull_newest(remote, tmp)
+        pulled = pull_newest(remote, tmp, set_aside_corrupt=False)  # inspect only reads
     finally:
         remote.close()
     if pulled is None:
@@ -275,11 +280,11 @@ def run(argv: list[str] | None) -> int:
         return 130
     except JobError as e:
         logger.debug("job error", exc_info=True)
-        click.echo(f"job: error: {e}", err=True)
+        click.echo(f"job: error: {redact_text(str(e))}", err=True)
         return e.exit_code
     except UploaderError as e:
         logger.debug("storage error", exc_info=True)
-        click.echo(f"job: error: {e}", err=True)
+        click.echo(f"job: error: {redact_text(str(e))}", err=True)
         return storage_exit_code(e)
     except PrecisionError as e:
         click.echo(f"job: error: {e}", err=True)

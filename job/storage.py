@@ -7,16 +7,18 @@ writes locally and marks the folder finished; ``uploader watch`` in another cont
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
 from uploader.config import UploadConfig
+from uploader.exceptions import TransientStorageError
 from uploader.local import LocalCheckpoint, list_committed
 from uploader.probe import check_writable
 from uploader.remote import Remote, check_url, open_remote
-from uploader.sync import newest_complete, pull_newest
+from uploader.sync import list_remote, list_set_aside, newest_complete, pull_newest
 from uploader.worker import BackgroundUploader
 
 logger = logging.getLogger(__name__)
@@ -29,10 +31,15 @@ class RemoteConfig:
     url: str | None
     mode: str  # one of UPLOAD_MODES
     upload: UploadConfig
+    # At the end of training: how long the final checkpoint's upload may take before the job gives up
+    # with exit 5, leaving the checkpoint in the local folder for the next start or a sidecar.
+    final_upload_timeout: float = 600.0
 
     def __post_init__(self) -> None:
         if self.mode not in UPLOAD_MODES:
             raise ValueError(f"--upload must be one of {', '.join(UPLOAD_MODES)}, not {self.mode!r}")
+        if not (math.isfinite(self.final_upload_timeout) and self.final_upload_timeout > 0):
+            raise ValueError(f"--final-upload-timeout must be a positive number of seconds, not {self.final_upload_timeout}")
         if self.url is not None:
             try:
                 check_url(self.url)
@@ -46,6 +53,8 @@ class RemoteStore:
     def __init__(self, cfg: RemoteConfig) -> None:
         assert cfg.url is not None
         self.url = cfg.url
+        self.final_upload_timeout = cfg.final_upload_timeout
+        self._writes = cfg.mode != "off"  # --upload off: this job never changes the bucket
         self.remote: Remote = open_remote(cfg.url, cfg.upload)
         self.uploader = BackgroundUploader(self.remote, cfg.upload.keep) if cfg.mode == "inprocess" else None
         self._pull: threading.Thread | None = None
@@ -64,10 +73,18 @@ class RemoteStore:
             than = local[-1].step if local else -1
         if newest is None or newest[0] <= than:
             return None
-        pulled = pull_newest(self.remote, folder, abort=self._abort_pull)
+        pulled = pull_newest(self.remote, folder, abort=self._abort_pull, set_aside_corrupt=self._writes)
         if pulled is None or pulled.step <= than:
             return None
         return pulled
+
+    def complete_steps(self) -> list[int]:
+        """Steps of the complete checkpoints under the remote prefix, oldest first (not verified)."""
+        return [c.step for c in list_remote(self.remote) if c.complete]
+
+    def holds_checkpoints(self) -> bool:
+        """Whether the prefix has a run's history: complete checkpoints, or ones set aside as corrupt."""
+        return bool(self.complete_steps() or list_set_aside(self.remote))
 
     def start_pull(self, folder: Path) -> Future[LocalCheckpoint | None]:
         """:meth:`pull_if_newer` in a thread, so the download overlaps building the model; ``result()``
@@ -112,6 +129,14 @@ class RemoteStore:
     def wait(self, timeout: float | None) -> bool:
         """Wait for the uploads submitted so far; re-raises a non-transient failure (AuthError, ...)."""
         return True if self.uploader is None else self.uploader.wait(timeout)
+
+    def wait_final(self, step: int, folder: Path) -> None:
+        """At the end of training, wait for the final checkpoint's upload, at most final_upload_timeout:
+        a remote that went away must not keep a finished job (and its GPU) forever. Then it is exit 5."""
+        if not self.wait(self.final_upload_timeout):
+            raise TransientStorageError(
+                f"the final checkpoint (step {step}) did not reach {self.url} within {self.final_upload_timeout:g} s "
+                f"(--final-upload-timeout); it stays in {folder}, and the next start (or `uploader sync`) uploads it")
 
     def close(self, timeout: float | None = None) -> bool:
         if self._pull is not None:  # a start-up that failed before using its pull: stop it, leave nothing running

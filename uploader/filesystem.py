@@ -8,6 +8,11 @@ where the file system supports it; where it does not, a resumed upload simply re
 Operations are not retried (see uploader.retry): OSErrors surface as StorageError at once, or as
 AuthError (exit 3, as S3's 403) when the folder's permissions refuse this user or the volume is
 read-only: that will not fix itself either, and says what to change.
+
+The folder is untrusted like a bucket: objects are regular files only, and no key is reached through a
+symbolic link below the root (a link to /dev/zero would be read forever, a linked folder would let
+retention delete another run's files), so links are neither listed nor read, written or deleted
+through. Reads stop at the size the caller expects.
 """
 from __future__ import annotations
 
@@ -16,6 +21,8 @@ import errno
 import hashlib
 import logging
 import os
+import shutil
+import stat
 import threading
 import uuid
 from collections.abc import Iterator, Sequence
@@ -24,6 +31,7 @@ from typing import BinaryIO
 
 from uploader.exceptions import Aborted, AuthError, BucketNotFound, CorruptCheckpoint, StorageError
 from uploader.hashing import CHUNK, StreamDigest, fsync_path
+from uploader.manifest import open_regular
 from uploader.remote import ObjectInfo, OnBytes, file_location
 
 logger = logging.getLogger(__name__)
@@ -52,13 +60,17 @@ class FileRemote:
         pass
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
-        if not self.root.is_dir():
-            if self.root.exists():  # a typo'd URL naming a file would otherwise list as an empty remote
-                raise BucketNotFound(f"{self.root} is a file, not a folder: fix the file:// URL")
+        try:
+            st = os.stat(self.root)  # one look: a folder being created meanwhile is never "a file"
+        except FileNotFoundError:
             return []
+        except OSError as e:
+            raise _refused(f"cannot list {self.describe()}", e) from None
+        if not stat.S_ISDIR(st.st_mode):  # a typo'd URL naming a file would otherwise list as an empty remote
+            raise BucketNotFound(f"{self.root} is a file, not a folder: fix the file:// URL")
         found = []
         try:
-            for folder, dirs, files in os.walk(self.root):
+            for folder, dirs, files in os.walk(self.root):  # never descends into linked folders
                 dirs.sort()
                 for name in files:
                     if name.startswith(TMP_MARKER):
@@ -66,29 +78,36 @@ class FileRemote:
                     path = Path(folder, name)
                     key = path.relative_to(self.root).as_posix()
                     if key.startswith(prefix):
-                        st = path.stat()
-                        found.append(ObjectInfo(key, st.st_size, st.st_mtime))
+                        try:
+                            st = os.lstat(path)
+                        except FileNotFoundError:
+                            continue  # deleted since the walk saw it
+                        if stat.S_ISREG(st.st_mode):  # links and devices are not objects
+                            found.append(ObjectInfo(key, st.st_size, st.st_mtime))
         except OSError as e:
             raise _refused(f"cannot list {self.describe()}", e) from None
         return sorted(found, key=lambda o: o.key)
 
     def head(self, key: str) -> ObjectInfo | None:
-        path = self._path(key)
         try:
-            st = path.stat()
+            path = self._path(key)
+            st = os.lstat(path)
         except FileNotFoundError:
             return None
         except OSError as e:
-            raise _refused(f"cannot stat {path}", e) from None
+            raise _refused(f"cannot stat {key} in {self.describe()}", e) from None
+        if not stat.S_ISREG(st.st_mode):
+            return None  # not an object: an upload replaces it (os.replace replaces a link, not its target)
         return ObjectInfo(key, st.st_size, st.st_mtime, _get_sha256(path))
 
-    def read_bytes(self, key: str) -> bytes | None:
+    def read_bytes(self, key: str, limit: int | None = None) -> bytes | None:
         try:
-            return self._path(key).read_bytes()
+            with open_regular(self._path(key)) as f:
+                return f.read() if limit is None else f.read(limit + 1)
         except FileNotFoundError:
             return None
         except OSError as e:
-            raise _refused(f"cannot read {key} in {self.describe()}", e) from None
+            raise self._read_error(key, e) from None
 
     def write_bytes(self, key: str, data: bytes) -> None:
         digest = hashlib.sha256(data).hexdigest()
@@ -132,25 +151,25 @@ class FileRemote:
         on_bytes: OnBytes | None = None,
         abort: threading.Event | None = None,
     ) -> None:
-        src_path = self._path(key)
-        try:
-            src = open(src_path, "rb")
-        except FileNotFoundError:
-            raise CorruptCheckpoint(f"{self.url}/{key} is missing") from None
-        except OSError as e:
-            raise _refused(f"cannot read {key} in {self.describe()}", e) from None
-        with src, open(path, "wb") as dst:
-            actual_size, actual_sha = _copy(src, dst, block_size, on_bytes, abort, durable=False)
+        with self._open_object(key) as reader, open(path, "wb") as dst:
+            actual_size, actual_sha = _copy(reader, dst, block_size, on_bytes, abort, durable=False, limit=size + 1)
         if actual_size != size:
-            raise CorruptCheckpoint(f"{self.url}/{key} has {actual_size} bytes, the manifest says {size}")
+            raise CorruptCheckpoint(f"{self.url}/{key} has {'more than ' if actual_size > size else ''}"
+                                    f"{min(actual_size, size)} bytes, the manifest says {size}")
         if actual_sha != sha256:
             raise CorruptCheckpoint(f"{self.url}/{key} fails its sha256 check")
+
+    def copy(self, source: str, dest: str, *, size: int) -> None:
+        with self._open_object(source) as reader, self._atomic(dest) as tmp, open(tmp, "wb") as dst:
+            shutil.copyfileobj(_Bounded(reader, size), dst, CHUNK)
+            dst.flush()
+            os.fsync(dst.fileno())
 
     def delete(self, keys: Sequence[str]) -> None:
         parents = set()
         for key in keys:
-            path = self._path(key)
             try:
+                path = self._path(key)
                 path.unlink(missing_ok=True)
             except OSError as e:
                 raise _refused(f"cannot delete {key} in {self.describe()}", e) from None
@@ -167,16 +186,47 @@ class FileRemote:
     # -- plumbing -------------------------------------------------------------------------------
 
     def _path(self, key: str) -> Path:
-        """The file of a key; keys come from uploader.layout, but refuse escapes all the same."""
+        """The file of a key; keys come from uploader.layout, but refuse escapes all the same, and a
+        folder on the way that is a symbolic link (OSError ELOOP, which each caller maps)."""
         parts = key.split("/")
         if not key or any(p in ("", ".", "..") for p in parts):
             raise ValueError(f"unsafe key {key!r}")
+        folder = self.root
+        for part in parts[:-1]:
+            folder = folder / part
+            try:
+                mode = os.lstat(folder).st_mode
+            except FileNotFoundError:
+                break  # not there yet: nothing below it can be a link
+            if stat.S_ISLNK(mode):
+                raise OSError(errno.ELOOP, "a symbolic link in the remote folder, refused", str(folder))
         return self.root.joinpath(*parts)
+
+    @contextlib.contextmanager
+    def _open_object(self, key: str) -> Iterator[BinaryIO]:
+        """An object opened for reading: CorruptCheckpoint if it is missing or not a regular file."""
+        with contextlib.ExitStack() as stack:
+            try:
+                f = stack.enter_context(open_regular(self._path(key)))
+            except FileNotFoundError:
+                raise CorruptCheckpoint(f"{self.url}/{key} is missing") from None
+            except OSError as e:
+                raise self._read_error(key, e) from None
+            yield f
+
+    def _read_error(self, key: str, e: OSError) -> Exception:
+        """A key that is a link, a folder or a device is damage (CorruptCheckpoint), not an outage."""
+        if e.errno in (errno.ELOOP, errno.EINVAL, errno.EISDIR, errno.ENOTDIR, errno.ENXIO):
+            return CorruptCheckpoint(f"{self.url}/{key} is not a regular file ({e.strerror or e}); refused")
+        return _refused(f"cannot read {key} in {self.describe()}", e)
 
     @contextlib.contextmanager
     def _atomic(self, key: str) -> Iterator[Path]:
         """A temporary file next to the key's file, renamed into place if the block succeeds."""
-        target = self._path(key)
+        try:
+            target = self._path(key)
+        except OSError as e:
+            raise _refused(f"cannot write {key} in {self.describe()}", e) from None
         if not self.root.parent.is_dir():
             raise BucketNotFound(f"{self.root.parent} does not exist: mount the shared volume or fix the file:// URL")
         try:
@@ -206,12 +256,13 @@ def _refused(what: str, e: OSError) -> StorageError:
 
 
 def _copy(src: BinaryIO, dst: BinaryIO, block_size: int | None, on_bytes: OnBytes | None,
-          abort: threading.Event | None, durable: bool = True) -> tuple[int, str]:
+          abort: threading.Event | None, durable: bool = True, limit: int | None = None) -> tuple[int, str]:
     """Copy in large chunks, hashing on the way (each byte read once); fsync the destination when
-    ``durable`` (an object of the remote; a download is not, see Remote.get_file)."""
+    ``durable`` (an object of the remote; a download is not, see Remote.get_file). At most ``limit``
+    bytes are read and written (a download stops one byte past the size it expects)."""
     digest = StreamDigest(block_size)
     size = 0
-    while chunk := src.read(CHUNK):
+    while chunk := src.read(CHUNK if limit is None else min(CHUNK, limit - size)):
         if abort is not None and abort.is_set():
             raise Aborted(f"copy to {dst.name} stopped on request")
         digest.update(memoryview(chunk))
@@ -237,3 +288,18 @@ def _get_sha256(path: Path) -> str | None:
         return os.getxattr(path, XATTR_SHA256).decode()
     except OSError:
         return None
+
+
+class _Bounded:
+    """A reader that ends after ``size`` bytes, and fails if the source ends sooner."""
+
+    def __init__(self, raw: BinaryIO, size: int) -> None:
+        self._raw, self._left = raw, size
+
+    def read(self, n: int = -1) -> bytes:
+        want = self._left if n < 0 else min(n, self._left)
+        data = self._raw.read(want) if want else b""
+        if want and not data:
+            raise CorruptCheckpoint(f"{getattr(self._raw, 'name', 'a file')} is shorter than its listed size")
+        self._left -= len(data)
+        return data

@@ -4,11 +4,17 @@ Layout::
 
     <folder>/step-000000000120/{state.pt, manifest.json}   committed checkpoints
     <folder>/.staging-step-000000000120-<pid>/              in progress, invisible to readers
+    <folder>/corrupt-step-000000000064-<time>/              failed verification: set aside, kept
     <folder>/FINISHED                                       the job is done (the sidecar may exit)
 
 A checkpoint is written into a staging folder, its files fsynced, the manifest written last, the
 folder renamed into place and the parent fsynced: a checkpoint is complete or invisible. The same
 code serves the job (writer) and the sidecar (reader), so both agree on what "committed" means.
+
+What is never lost (README, "What is never lost"): retention counts back from the checkpoint just
+committed and never deletes it, nor anything newer; a checkpoint that fails verification is renamed
+out of the way (``corrupt-...``), never counted, chosen or deleted again; names are ASCII digits only,
+and symbolic links are never followed, listed as checkpoints, or deleted through.
 """
 from __future__ import annotations
 
@@ -17,20 +23,27 @@ import logging
 import os
 import re
 import shutil
+import stat
+import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Collection
 
 from uploader.exceptions import CorruptCheckpoint, ManifestError, UnsupportedFormat
 from uploader.hashing import fsync_path
-from uploader.manifest import MANIFEST_NAME, Manifest
+from uploader.manifest import MANIFEST_NAME, Manifest, open_regular
 
 logger = logging.getLogger(__name__)
 
 PREFIX = "step-"
 STAGING_PREFIX = ".staging-"
+CORRUPT_PREFIX = "corrupt-"
 FINISHED_NAME = "FINISHED"
-_NAME_RE = re.compile(r"^step-(\d{12})$")
+# ASCII digits only: \d would take any script's digits ("step-١٢..."), which int() reads but which sort
+# after every real step.
+_NAME_RE = re.compile(r"step-([0-9]{12})", re.ASCII)
+_OLD_RE = re.compile(rf"{re.escape(STAGING_PREFIX)}old-(step-[0-9]{{12}})-[0-9]+", re.ASCII)
+MAX_FINISHED_BYTES = 4096
 
 
 def checkpoint_name(step: int) -> str:
@@ -39,7 +52,7 @@ def checkpoint_name(step: int) -> str:
 
 
 def parse_step(name: str) -> int | None:
-    m = _NAME_RE.match(name)
+    m = _NAME_RE.fullmatch(name)
     return int(m.group(1)) if m else None
 
 
@@ -57,28 +70,62 @@ class LocalCheckpoint:
 
 
 def list_committed(folder: Path) -> list[LocalCheckpoint]:
-    """Committed checkpoints (folder name parses and a manifest exists), oldest first. Not verified."""
+    """Committed checkpoints (folder name parses, a real folder with a regular manifest), oldest
+    first. Not verified. A symbolic link is never a checkpoint: it is not listed, so nothing chooses
+    it, and retention never deletes through it (another run's files may be behind it)."""
     if not folder.is_dir():
         return []
     found = []
     for entry in folder.iterdir():
         step = parse_step(entry.name)
-        if step is not None and (entry / MANIFEST_NAME).is_file():
+        if step is not None and _is_real_dir(entry) and _is_regular(entry / MANIFEST_NAME):
             found.append(LocalCheckpoint(entry, step))
     return sorted(found, key=lambda c: c.step)
 
 
-def newest_verified(folder: Path) -> tuple[LocalCheckpoint, Manifest] | None:
-    """The newest checkpoint whose files match its manifest; corrupt ones are skipped with a warning,
-    one from a newer spot-trainer is refused (UnsupportedFormat)."""
+def list_set_aside(folder: Path) -> list[Path]:
+    """Checkpoints set aside after failing verification (:func:`set_aside`), by name."""
+    if not folder.is_dir():
+        return []
+    return sorted(e for e in folder.iterdir() if e.name.startswith(CORRUPT_PREFIX + PREFIX) and _is_real_dir(e))
+
+
+def set_aside(ckpt: LocalCheckpoint, reason: str) -> Path | None:
+    """Rename a checkpoint that failed verification out of the way, kept for inspection: it is never
+    listed, counted in ``keep``, chosen or deleted again. None if it is gone already (pruned meanwhile)."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    target = ckpt.path.parent / f"{CORRUPT_PREFIX}{ckpt.name}-{stamp}-{os.getpid()}"
+    try:
+        ckpt.path.rename(target)
+        fsync_path(ckpt.path.parent)
+    except FileNotFoundError:
+        return None
+    except OSError as e:  # a read-only folder: still skipped, just not renamed
+        logger.warning("skipping corrupt checkpoint %s: %s; it cannot be set aside: %s", ckpt.path, reason,
+                       e.strerror or e)
+        return None
+    logger.warning("skipping corrupt checkpoint %s: %s; set aside as %s, kept for inspection",
+                   ckpt.path, reason, target.name)
+    return target
+
+
+def newest_verified(folder: Path, set_aside_corrupt: bool = False) -> tuple[LocalCheckpoint, Manifest] | None:
+    """The newest checkpoint whose files match its manifest; corrupt ones are skipped with a warning
+    (and renamed out of the way when ``set_aside_corrupt``: the job's start-up); one from a newer
+    spot-trainer is refused (UnsupportedFormat)."""
     for ckpt in reversed(list_committed(folder)):
         try:
             manifest = ckpt.manifest()
+            if manifest.step != ckpt.step:
+                raise ManifestError(f"its manifest is for step {manifest.step}")
             manifest.verify(ckpt.path)
         except UnsupportedFormat as e:
             raise UnsupportedFormat(f"checkpoint {ckpt.path}: {e}") from None
         except (CorruptCheckpoint, ManifestError) as e:
-            logger.warning("skipping corrupt checkpoint %s: %s", ckpt.path, e)
+            if set_aside_corrupt:
+                set_aside(ckpt, str(e))
+            else:
+                logger.warning("skipping corrupt checkpoint %s: %s", ckpt.path, e)
             continue
         return ckpt, manifest
     return None
@@ -116,7 +163,8 @@ def commit(staging: Path, manifest: Manifest) -> LocalCheckpoint:
         os.fsync(f.fileno())
     fsync_path(staging)
     final = staging.parent / checkpoint_name(manifest.step)
-    if final.exists():
+    # A crash between the two renames leaves the old copy as .staging-old-*: clean_staging puts it back.
+    if os.path.lexists(final):
         old = staging.parent / f"{STAGING_PREFIX}old-{final.name}-{os.getpid()}"
         final.rename(old)
         staging.rename(final)
@@ -128,26 +176,42 @@ def commit(staging: Path, manifest: Manifest) -> LocalCheckpoint:
 
 
 def clean_staging(folder: Path) -> None:
-    """Remove leftovers of saves that died half-way (they were never visible)."""
+    """Remove leftovers of saves that died half-way (they were never visible), after putting back a
+    checkpoint that a same-step re-commit had moved aside when the process died before the new one
+    took its place (:func:`commit`). Symbolic links are removed, never followed."""
     if not folder.is_dir():
         return
+    for entry in sorted(folder.iterdir()):
+        m = _OLD_RE.fullmatch(entry.name)
+        if m and _is_real_dir(entry) and not os.path.lexists(folder / m.group(1)):
+            entry.rename(folder / m.group(1))
+            fsync_path(folder)
+            logger.warning("put back %s, moved aside by a re-save that did not finish", m.group(1))
     for entry in folder.iterdir():
         if entry.name.startswith(STAGING_PREFIX):
-            shutil.rmtree(entry, ignore_errors=True)
+            if entry.is_symlink() or not entry.is_dir():
+                entry.unlink(missing_ok=True)
+            else:
+                shutil.rmtree(entry, ignore_errors=True)
 
 
-def prune(folder: Path, keep: int, protect: Collection[Path] = ()) -> list[Path]:
-    """Delete all but the newest ``keep`` committed checkpoints; returns what was removed.
+def prune(folder: Path, keep: int, newest: int, protect: Collection[Path] = ()) -> list[Path]:
+    """Keep the checkpoint of step ``newest`` (the one just committed) and the ``keep - 1`` committed
+    ones before it; delete the older ones. Returns what was removed.
 
-    ``protect`` lists checkpoints still needed by someone else (an upload in progress): they stay
-    until a later prune, so a fast save cadence can never delete a checkpoint under its uploader.
+    Counting back from the checkpoint just committed, never from the highest step on disk: a newer
+    one (another run's, or one a reader could not verify) is neither counted nor deleted, so it can
+    never push good work out. ``protect`` lists checkpoints still needed by someone else (an upload in
+    progress): they stay until a later prune, so a fast save cadence can never delete a checkpoint
+    under its uploader.
     """
     if keep < 1:
         raise ValueError("keep must be >= 1")
     removed = []
     protected = {Path(p) for p in protect}
-    for ckpt in list_committed(folder)[:-keep]:
-        if ckpt.path in protected:
+    older = [c for c in list_committed(folder) if c.step <= newest]
+    for ckpt in older[:-keep]:
+        if ckpt.path in protected or ckpt.step == newest:
             continue
         # Remove the manifest first so a crash half-way leaves an incomplete (ignored) folder,
         # never a committed one with missing files.
@@ -178,12 +242,13 @@ def finished_marker(folder: Path) -> Finished | None:
     """The FINISHED marker, or None while the job runs (or a malformed marker, with a warning)."""
     path = folder / FINISHED_NAME
     try:
-        doc = json.loads(path.read_text())
-        return Finished(step=int(doc["step"]), reason=str(doc.get("reason", "completed")),
-                        mtime=path.stat().st_mtime)
+        with open_regular(path) as f:
+            doc = json.loads(f.read(MAX_FINISHED_BYTES))
+            mtime = os.fstat(f.fileno()).st_mtime
+        return Finished(step=int(doc["step"]), reason=str(doc.get("reason", "completed")), mtime=mtime)
     except FileNotFoundError:
         return None
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, OverflowError, RecursionError, OSError):
         logger.warning("ignoring malformed %s in %s", FINISHED_NAME, folder)
         return None
 
@@ -197,3 +262,17 @@ def read_finished(folder: Path) -> int | None:
 def clear_finished(folder: Path) -> None:
     """A job that starts (or resumes) is not finished, whatever an older run left behind."""
     (folder / FINISHED_NAME).unlink(missing_ok=True)
+
+
+def _is_real_dir(path: Path) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _is_regular(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False

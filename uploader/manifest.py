@@ -10,14 +10,29 @@ Format versions (this build reads both, and writes 2):
 * 2: a file may also give ``block_size``; its ``sha256`` is then the sha256 of its blocks' sha256
   digests (uploader.hashing), which transfers compute on all their threads at once. A format 2 entry
   without ``block_size`` means what it meant in format 1.
+
+A manifest comes from a disk or a bucket, so it is untrusted input, and :meth:`Manifest.from_json` is
+the one place that decides whether it is usable: at most MAX_MANIFEST_BYTES, strict JSON (no NaN or
+Infinity), every field of the right type and range, ``block_size`` within [MIN_BLOCK_SIZE,
+MAX_BLOCK_SIZE] (so verifying costs a bounded number of reads and bytes of memory per checkpoint
+byte), a file layout that can exist on disk (no entry inside another, no escapes), and the payload the
+job loads (``state.pt``, or one shard per rank for ``meta.sharded``). Anything else is a
+ManifestError: the checkpoint is skipped like a corrupt one, never a crash.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import math
+import os
+import re
+import stat
 import time
 from dataclasses import dataclass, field
+from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, BinaryIO
 
 from uploader.exceptions import CorruptCheckpoint, ManifestError, UnsupportedFormat
 from uploader.hashing import file_digest
@@ -26,12 +41,27 @@ MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 2
 SUPPORTED_FORMAT_VERSIONS = frozenset({1, 2})
 BLOCK_SIZE_SINCE = 2  # the first format_version whose entries may carry block_size
+# Bounds on what a manifest may ask of a reader. A manifest of a 10 000-shard checkpoint is ~1.5 MB.
+MAX_MANIFEST_BYTES = 8 * 1024 * 1024
+MIN_BLOCK_SIZE = 64 * 1024  # at most 16 reads and ~1.2 KiB of block digests per MiB verified
+MAX_BLOCK_SIZE = 64 * 1024 * 1024
+MAX_FILE_SIZE = 2**50  # 1 PiB: any real file; keeps sizes far from float and int64 trouble
+MAX_STEP = 10**12 - 1  # step folder names have 12 digits
+MAX_PATH_CHARS = 1024
+# The payload the job loads (job.checkpoint.STATE_FILE, job.sharded.shard_name): a checkpoint without
+# it cannot be resumed, so it is refused here, with the other damage, and the previous one is used.
+STATE_FILE = "state.pt"
+SHARD_RE = re.compile(r"shard-([0-9]{5})-of-([0-9]{5})\.pt", re.ASCII)
+_SHA256_RE = re.compile(r"[0-9a-f]{64}", re.ASCII)
+_INT64 = 2**63
 
 
 def safe_relpath(name: str) -> str:
     """Refuse paths that could escape the checkpoint folder on pull (absolute, ``..``, backslashes)."""
-    if not isinstance(name, str) or not name or "\\" in name or "\x00" in name:
+    if not isinstance(name, str) or not name or "\\" in name or any(ord(c) < 32 or ord(c) == 127 for c in name):
         raise ManifestError(f"unsafe file name in manifest: {name!r}")
+    if len(name) > MAX_PATH_CHARS:
+        raise ManifestError(f"file name in manifest longer than {MAX_PATH_CHARS} characters")
     p = PurePosixPath(name)
     if p.is_absolute() or any(part in ("..", ".", "") for part in name.split("/")):
         raise ManifestError(f"unsafe file name in manifest: {name!r} (absolute or '..' paths are refused)")
@@ -84,10 +114,16 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: bytes | str) -> Manifest:
+        """Parse and validate untrusted bytes (see the module docstring); ManifestError if unusable,
+        UnsupportedFormat if a newer spot-trainer wrote it."""
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise ManifestError(f"manifest is larger than {MAX_MANIFEST_BYTES} bytes")
         try:
-            doc = json.loads(data)
+            doc = json.loads(data, parse_constant=_refuse_constant)
         except (ValueError, UnicodeDecodeError) as e:
             raise ManifestError(f"manifest is not valid JSON: {e}") from None
+        except RecursionError:
+            raise ManifestError("manifest is not valid JSON: nested too deeply") from None
         if not isinstance(doc, dict):
             raise ManifestError("manifest is not a JSON object")
         version = doc.get("format_version")
@@ -97,53 +133,133 @@ class Manifest:
                 f"manifest format_version {version!r} is not supported (this build reads "
                 f"{sorted(SUPPORTED_FORMAT_VERSIONS)}); upgrade spot-trainer"
             )
-        try:
-            files = tuple(
-                FileEntry(path=safe_relpath(f["path"]), size=int(f["size"]), sha256=str(f["sha256"]),
-                          block_size=_block_size(f.get("block_size"), version))
-                for f in doc["files"]
-            )
-            step = int(doc["step"])
-            timer = {str(k): int(v) for k, v in dict(doc.get("timer", {})).items()}
-        except (KeyError, TypeError, ValueError) as e:
-            raise ManifestError(f"manifest is missing or has a malformed field: {e}") from None
-        if len({f.path for f in files}) != len(files):
-            raise ManifestError("manifest lists a file twice")
-        if any(f.size < 0 for f in files):
-            raise ManifestError("manifest lists a negative file size")
+        if "files" not in doc or "step" not in doc:
+            raise ManifestError(f"manifest is missing or has a malformed field: {'files' if 'files' not in doc else 'step'}")
+        raw_files = doc["files"]
+        if not isinstance(raw_files, list):
+            raise ManifestError("manifest's files is not a list")
+        files = tuple(_file_entry(f, version) for f in raw_files)
         meta = doc.get("meta", {})
-        return cls(
-            step=step,
+        if not isinstance(meta, dict):
+            raise ManifestError("manifest's meta is not an object")
+        timer = doc.get("timer", {})
+        if not isinstance(timer, dict):
+            raise ManifestError("manifest's timer is not an object")
+        created = doc.get("created", 0.0)
+        if isinstance(created, bool) or not isinstance(created, (int, float)) or not math.isfinite(created):
+            raise ManifestError(f"manifest's created is not a number: {_short(created)}")
+        manifest = cls(
+            step=_integer(doc["step"], "step", 0, MAX_STEP),
             files=files,
-            timer=timer,
-            meta=meta if isinstance(meta, dict) else {},
-            created=float(doc.get("created", 0.0)),
+            timer={_key(k): _integer(v, f"timer.{_key(k)}", -_INT64, _INT64 - 1) for k, v in timer.items()},
+            meta=meta,
+            created=float(created),
             format_version=version,
         )
+        _check_layout(manifest)
+        return manifest
 
     @classmethod
     def read(cls, folder: Path) -> Manifest:
+        """The manifest of a local checkpoint folder: a regular file (never a link), size-capped."""
         path = folder / MANIFEST_NAME
         try:
-            return cls.from_json(path.read_bytes())
+            with open_regular(path) as f:
+                return cls.from_json(f.read(MAX_MANIFEST_BYTES + 1))
         except FileNotFoundError:
             raise CorruptCheckpoint(f"{folder}: no {MANIFEST_NAME}, the checkpoint is incomplete") from None
+        except OSError as e:
+            raise CorruptCheckpoint(f"{folder}: cannot read its {MANIFEST_NAME} ({e.strerror or e})") from None
 
     def verify(self, folder: Path) -> None:
-        """Check every listed file's size and sha256; raise CorruptCheckpoint on the first mismatch."""
+        """Check every listed file's size and digest; raise CorruptCheckpoint on the first mismatch.
+
+        Each file must be a regular file inside ``folder``, reached without symbolic links: a link
+        (to /dev/zero, or to another run's file) is damage, never followed.
+        """
         for entry in self.files:
             path = folder / entry.path
             try:
-                actual = path.stat().st_size
+                st = lstat_inside(folder, entry.path)
             except FileNotFoundError:
                 raise CorruptCheckpoint(f"{folder}: {entry.path} is missing") from None
-            if actual != entry.size:
+            except OSError as e:
+                raise CorruptCheckpoint(f"{folder}: {entry.path} cannot be read ({e.strerror or e})") from None
+            if not stat.S_ISREG(st.st_mode):
+                raise CorruptCheckpoint(f"{folder}: {entry.path} is not a regular file (a link, folder or device)")
+            if st.st_size != entry.size:
                 raise CorruptCheckpoint(
-                    f"{folder}: {entry.path} has {actual} bytes, the manifest says {entry.size} (truncated?)"
+                    f"{folder}: {entry.path} has {st.st_size} bytes, the manifest says {entry.size} (truncated?)"
                 )
-            _, digest = file_digest(path, entry.block_size)
-            if digest != entry.sha256:
+            try:
+                size, digest = file_digest(path, entry.block_size)
+            except OSError as e:
+                raise CorruptCheckpoint(f"{folder}: {entry.path} cannot be read ({e.strerror or e})") from None
+            if size != entry.size or digest != entry.sha256:
                 raise CorruptCheckpoint(f"{folder}: {entry.path} fails its sha256 check")
+
+
+@contextlib.contextmanager
+def open_regular(path: Path) -> Iterator[BinaryIO]:
+    """``open(path, "rb")`` that refuses a symbolic link (O_NOFOLLOW) and anything but a regular file,
+    and never blocks on a FIFO (O_NONBLOCK): reading a planted /dev/zero or pipe must not run forever."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file (a folder, device or pipe)", str(path))
+        f = os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+    with f:
+        yield f
+
+
+def lstat_inside(folder: Path, relpath: str) -> os.stat_result:
+    """lstat of ``folder/relpath``, refusing (ELOOP) any symbolic link on the way below ``folder``."""
+    current = folder
+    parts = relpath.split("/")
+    for i, part in enumerate(parts):
+        current = current / part
+        st = os.lstat(current)
+        if stat.S_ISLNK(st.st_mode):
+            raise OSError(errno.ELOOP, "a symbolic link, refused", str(current))
+        if i < len(parts) - 1 and not stat.S_ISDIR(st.st_mode):
+            raise NotADirectoryError(errno.ENOTDIR, "not a folder", str(current))
+    return st
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _key(value: Any) -> str:
+    return value if isinstance(value, str) else str(value)
+
+
+def _integer(value: Any, what: str, low: int, high: int) -> int:
+    """A JSON integer in [low, high]: not a bool, a float or a string that looks like one."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ManifestError(f"manifest's {what} is not an integer in [{low}, {high}]: {_short(value)}")
+    return value
+
+
+def _file_entry(doc: Any, version: int) -> FileEntry:
+    if not isinstance(doc, dict):
+        raise ManifestError(f"manifest lists a file entry that is not an object: {_short(doc)}")
+    for key in ("path", "size", "sha256"):
+        if key not in doc:
+            raise ManifestError(f"manifest is missing or has a malformed field: a file entry has no {key!r}")
+    sha256 = doc["sha256"]
+    if not isinstance(sha256, str) or not _SHA256_RE.fullmatch(sha256):
+        raise ManifestError(f"manifest lists a malformed sha256: {_short(sha256)}")
+    return FileEntry(path=safe_relpath(doc["path"]), size=_integer(doc["size"], "file size", 0, MAX_FILE_SIZE),
+                     sha256=sha256, block_size=_block_size(doc.get("block_size"), version))
 
 
 def _block_size(value: Any, version: int) -> int | None:
@@ -151,6 +267,29 @@ def _block_size(value: Any, version: int) -> int | None:
         return None
     if version < BLOCK_SIZE_SINCE:
         raise ManifestError(f"manifest format_version {version} has no block_size; the manifest is damaged")
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ManifestError(f"manifest lists a malformed block_size: {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not MIN_BLOCK_SIZE <= value <= MAX_BLOCK_SIZE:
+        raise ManifestError(f"manifest lists a malformed block_size: {_short(value)} (accepted: "
+                            f"{MIN_BLOCK_SIZE} to {MAX_BLOCK_SIZE} bytes)")
     return value
+
+
+def _check_layout(manifest: Manifest) -> None:
+    """Files that can all exist in one folder, and the payload the job loads."""
+    paths = [f.path for f in manifest.files]
+    if len(set(paths)) != len(paths):
+        raise ManifestError("manifest lists a file twice")
+    folders = {"/".join(p.split("/")[:i]) for p in paths for i in range(1, p.count("/") + 1)}
+    clash = sorted(folders.intersection(paths))
+    if clash:
+        raise ManifestError(f"manifest lists {clash[0]!r} both as a file and as a folder of other files")
+    sharded = manifest.meta.get("sharded", False)
+    if not isinstance(sharded, bool):
+        raise ManifestError(f"manifest's meta.sharded is not true or false: {_short(sharded)}")
+    if not sharded:
+        if STATE_FILE not in paths:
+            raise ManifestError(f"manifest does not list {STATE_FILE}, the state the job loads")
+        return
+    shards = [m for m in (SHARD_RE.fullmatch(p) for p in paths) if m is not None]
+    worlds = {int(m.group(2)) for m in shards}
+    if len(worlds) != 1 or {int(m.group(1)) for m in shards} != set(range(next(iter(worlds)))):
+        raise ManifestError("manifest of a sharded checkpoint does not list exactly one shard file per rank")

@@ -13,24 +13,33 @@ pulled checkpoint torn by a power cut fails its verification on the next start-u
 one, and is pulled again (job.app.choose). Waiting for the disk would cost a resume a second pass
 at disk speed (8 s per GiB on a 125 MB/s cloud volume) for nothing.
 
-Retention keeps the newest ``keep`` complete checkpoints. It deletes an older one only once
-``keep`` newer ones are complete, manifest first, then data, so a crash half-way leaves an
-incomplete (ignored) checkpoint, never a complete one with missing files. Incomplete leftovers older
-than the newest complete checkpoint (uploads that died) are deleted too; newer ones are kept because
-a resumed upload continues them.
+Retention counts back from the checkpoint just uploaded (verified byte for byte on its way up): it
+keeps that one and the ``keep - 1`` complete ones before it, and deletes older ones, manifest first,
+then data, so a crash half-way leaves an incomplete (ignored) checkpoint, never a complete one with
+missing files. A complete checkpoint *newer* than the one just uploaded (another run's, or one that
+failed a reader's verification and could not be set aside) is neither counted nor deleted, so it can
+never push good work out. Incomplete leftovers older than the one just uploaded (uploads that died)
+are deleted too; newer ones are kept because a resumed upload continues them.
+
+Set aside: a complete remote checkpoint whose files fail verification on a pull (or whose manifest
+is invalid) is moved to ``corrupt-<name>-<time>/`` (copied, then the manifest and data deleted),
+where listing, pulls and retention never look: kept for inspection, never chosen again. That needs
+write access; a reader without it only skips the checkpoint. Before moving anything the manifest is
+read again, and a checkpoint whose manifest changed meanwhile (a re-save) is left alone.
 """
 from __future__ import annotations
 
 import logging
 import shutil
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from uploader.exceptions import CorruptCheckpoint, ManifestError, UnsupportedFormat
+from uploader.exceptions import CorruptCheckpoint, ManifestError, StorageError, UnsupportedFormat
 from uploader.layout import LATEST_KEY, checkpoint_of, data_key, latest_document, manifest_key
-from uploader.local import LocalCheckpoint, commit, list_committed, staging_dir
-from uploader.manifest import MANIFEST_NAME, Manifest
+from uploader.local import CORRUPT_PREFIX, LocalCheckpoint, checkpoint_name, commit, list_committed, set_aside, staging_dir
+from uploader.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, open_regular
 from uploader.progress import Progress
 from uploader.remote import ObjectInfo, Remote
 
@@ -58,10 +67,15 @@ def list_remote(remote: Remote) -> list[RemoteCheckpoint]:
 def newest_complete(remote: Remote) -> tuple[int, Manifest] | None:
     """The newest checkpoint whose manifest exists and parses (its files are not checked here)."""
     for ckpt in reversed([c for c in list_remote(remote) if c.complete]):
-        manifest = _remote_manifest(remote, ckpt)
+        manifest = _remote_manifest(remote, ckpt, remote.read_bytes(manifest_key(ckpt.name), limit=MAX_MANIFEST_BYTES))
         if manifest is not None:
             return ckpt.step, manifest
     return None
+
+
+def list_set_aside(remote: Remote) -> list[str]:
+    """Names of the remote checkpoints set aside after failing verification (``corrupt-step-...``)."""
+    return sorted({o.key.partition("/")[0] for o in remote.list(CORRUPT_PREFIX)})
 
 
 def push(ckpt: LocalCheckpoint, remote: Remote, keep: int, *, abort: threading.Event | None = None) -> None:
@@ -73,39 +87,60 @@ def push(ckpt: LocalCheckpoint, remote: Remote, keep: int, *, abort: threading.E
     """
     _check_keep(keep)
     _upload(ckpt, remote, abort)
-    _after_commit(remote, keep)
+    _after_commit(remote, keep, ckpt.step)
 
 
 def push_all(folder: Path, remote: Remote, keep: int, *, abort: threading.Event | None = None) -> list[int]:
-    """Upload every committed local checkpoint that is not complete remotely, oldest first, then
-    apply retention once. Checkpoints that retention would delete at once (older than the newest
-    ``keep`` of local and remote together) are not uploaded; a local checkpoint that does not
-    match its manifest is skipped with a warning. Returns the steps uploaded."""
+    """Upload the newest ``keep`` committed local checkpoints that are not complete remotely, oldest
+    first, then apply retention once, counting back from the newest of them now complete remotely.
+    A local checkpoint that does not match its manifest is set aside (uploader.local.set_aside) with a
+    warning and the next older one takes its place. Returns the steps uploaded."""
     _check_keep(keep)
-    remote_complete = {c.step for c in list_remote(remote) if c.complete}
-    local = list_committed(folder)
-    survivors = sorted(remote_complete | {c.step for c in local})[-keep:]
-    pushed = []
-    for ckpt in local:
-        if ckpt.step not in survivors:
-            continue
-        try:
-            if _upload(ckpt, remote, abort):
-                pushed.append(ckpt.step)
-        except (CorruptCheckpoint, ManifestError) as e:
-            logger.warning("skipping local %s: %s", ckpt.name, e)
-    _after_commit(remote, keep)
-    return pushed
+    pushed: list[int] = []
+    anchor: int | None = None
+    candidates = list_committed(folder)
+    while candidates:
+        batch, candidates = candidates[-keep:], candidates[:-keep]
+        failed = 0
+        for ckpt in batch:
+            try:
+                if _upload(ckpt, remote, abort):
+                    pushed.append(ckpt.step)
+            except (CorruptCheckpoint, ManifestError) as e:
+                set_aside_local(ckpt, e)
+                failed += 1
+                continue
+            anchor = ckpt.step if anchor is None else max(anchor, ckpt.step)
+        if anchor is not None or not failed:
+            break
+    if anchor is not None:
+        _after_commit(remote, keep, anchor)
+    return sorted(pushed)
 
 
-def pull_newest(remote: Remote, folder: Path, *, abort: threading.Event | None = None) -> LocalCheckpoint | None:
+def set_aside_local(ckpt: LocalCheckpoint, error: Exception) -> None:
+    """A local checkpoint that failed to upload because it does not verify: set it aside, unless it
+    is being pruned (its manifest gone: the job's retention got there first)."""
+    if (ckpt.path / MANIFEST_NAME).is_file() and not isinstance(error, UnsupportedFormat):
+        set_aside(ckpt, str(error))
+    else:
+        logger.warning("skipping local %s: %s", ckpt.name, error)
+
+
+def pull_newest(remote: Remote, folder: Path, *, abort: threading.Event | None = None,
+                set_aside_corrupt: bool = True) -> LocalCheckpoint | None:
     """Make the newest complete, verified remote checkpoint a committed local one; None if there is none.
 
-    If the same step already exists locally and verifies, nothing is downloaded.
+    If the same step already exists locally and verifies, nothing is downloaded. A remote checkpoint
+    that fails verification is skipped, and set aside in the remote when ``set_aside_corrupt`` and the
+    credentials allow it (module docstring).
     """
     for ckpt in reversed([c for c in list_remote(remote) if c.complete]):
-        manifest = _remote_manifest(remote, ckpt)
+        raw = remote.read_bytes(manifest_key(ckpt.name), limit=MAX_MANIFEST_BYTES)
+        manifest = _remote_manifest(remote, ckpt, raw)
         if manifest is None:
+            if raw is not None and set_aside_corrupt:
+                _set_aside_remote(remote, ckpt.name, raw, "its manifest is invalid")
             continue
         local = _verified_local(folder, ckpt.step)
         if local is not None:
@@ -115,6 +150,8 @@ def pull_newest(remote: Remote, folder: Path, *, abort: threading.Event | None =
             pulled = _download(remote, ckpt.name, manifest, folder, abort)
         except CorruptCheckpoint as e:
             logger.warning("skipping remote %s: %s; trying the previous checkpoint", ckpt.name, e)
+            if set_aside_corrupt:
+                _set_aside_remote(remote, ckpt.name, raw, str(e))
             continue
         logger.info("pulled %s (%d files, %d bytes) from %s into %s", ckpt.name, len(manifest.files),
                     manifest.total_size, remote.url, pulled.path)
@@ -133,13 +170,14 @@ def _check_keep(keep: int) -> None:
 def _upload(ckpt: LocalCheckpoint, remote: Remote, abort: threading.Event | None) -> bool:
     """Data, then manifest. False if the remote already had this exact checkpoint complete."""
     try:
-        raw = (ckpt.path / MANIFEST_NAME).read_bytes()
+        with open_regular(ckpt.path / MANIFEST_NAME) as f:
+            raw = f.read(MAX_MANIFEST_BYTES + 1)
     except OSError as e:
-        raise CorruptCheckpoint(f"{ckpt.path}: cannot read its manifest ({e.strerror})") from None
+        raise CorruptCheckpoint(f"{ckpt.path}: cannot read its manifest ({e.strerror or e})") from None
     manifest = Manifest.from_json(raw)
     if manifest.step != ckpt.step:
         raise CorruptCheckpoint(f"{ckpt.path}: its manifest is for step {manifest.step}")
-    existing_raw = remote.read_bytes(manifest_key(ckpt.name))
+    existing_raw = remote.read_bytes(manifest_key(ckpt.name), limit=MAX_MANIFEST_BYTES)
     if existing_raw is not None:
         if _parse_or_none(existing_raw) == manifest:
             logger.debug("%s is already complete on %s", ckpt.name, remote.url)
@@ -166,24 +204,52 @@ def _upload(ckpt: LocalCheckpoint, remote: Remote, abort: threading.Event | None
     return True
 
 
-def _after_commit(remote: Remote, keep: int) -> None:
-    """Point ``latest`` at the newest complete checkpoint, then delete what retention lets go."""
+def _after_commit(remote: Remote, keep: int, newest: int) -> None:
+    """Point ``latest`` at ``newest`` (the checkpoint just uploaded), then delete what retention lets
+    go, counting back from it (module docstring)."""
     scan = _scan(remote)
     summaries = [_summarize(name, objects) for name, objects in scan.items()]
-    complete = [c for c in summaries if c.complete]
-    if not complete:
+    complete = [c for c in summaries if c.complete and c.step <= newest]
+    if not complete or complete[-1].step != newest:
+        logger.warning("retention skipped: %s is not complete on %s", checkpoint_name(newest), remote.url)
         return
-    newest = complete[-1]
-    remote.write_bytes(LATEST_KEY, latest_document(newest.step))
-    doomed = complete[:-keep] + [c for c in summaries if not c.complete and c.step < newest.step]
+    remote.write_bytes(LATEST_KEY, latest_document(newest))
+    ignored = [c.name for c in summaries if c.complete and c.step > newest]
+    if ignored:
+        logger.warning("retention: %s on %s %s newer than the checkpoint just uploaded (%s): neither counted "
+                       "nor deleted", ", ".join(ignored), remote.url, "is" if len(ignored) == 1 else "are",
+                       checkpoint_name(newest))
+    doomed = complete[:-keep] + [c for c in summaries if not c.complete and c.step < newest]
     for ckpt in sorted(doomed, key=lambda c: c.step):
         keys = [o.key for o in scan[ckpt.name]]
         manifest = manifest_key(ckpt.name)
         if manifest in keys:
             remote.delete([manifest])  # first: from here on the checkpoint is incomplete, never half-used
         remote.delete([k for k in keys if k != manifest])
-        logger.info("retention: deleted %s %s from %s (keeping the newest %d)",
-                    "complete" if ckpt.complete else "incomplete", ckpt.name, remote.url, keep)
+        logger.info("retention: deleted %s %s from %s (keeping %d up to %s)",
+                    "complete" if ckpt.complete else "incomplete", ckpt.name, remote.url, keep,
+                    checkpoint_name(newest))
+
+
+def _set_aside_remote(remote: Remote, name: str, raw: bytes | None, reason: str) -> None:
+    """Move a remote checkpoint that failed verification to ``corrupt-<name>-<time>/`` (module docstring).
+    Best effort: without write access, or with the storage failing, it is only skipped."""
+    target = f"{CORRUPT_PREFIX}{name}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+    manifest = manifest_key(name)
+    try:
+        if remote.read_bytes(manifest, limit=MAX_MANIFEST_BYTES) != raw:
+            logger.warning("remote %s changed while it was verified; not setting it aside", name)
+            return
+        objects = remote.list(f"{name}/")
+        for obj in sorted(objects, key=lambda o: o.key == manifest):  # the manifest last
+            remote.copy(obj.key, f"{target}/{obj.key.partition('/')[2]}", size=obj.size)
+        remote.delete([manifest])  # first: from here on nobody takes it as complete
+        remote.delete([o.key for o in objects if o.key != manifest])
+    except (StorageError, CorruptCheckpoint) as e:
+        logger.warning("remote %s failed verification (%s) and could not be set aside: %s", name, reason, e)
+        return
+    logger.warning("remote %s failed verification (%s); set aside as %s/ on %s, kept for inspection",
+                   name, reason, target, remote.url)
 
 
 # -- listing ------------------------------------------------------------------------------------
@@ -219,10 +285,9 @@ def _parse_or_none(raw: bytes) -> Manifest | None:
         return None
 
 
-def _remote_manifest(remote: Remote, ckpt: RemoteCheckpoint) -> Manifest | None:
-    """The parsed manifest of a complete remote checkpoint; None (with a warning) if unusable;
+def _remote_manifest(remote: Remote, ckpt: RemoteCheckpoint, raw: bytes | None) -> Manifest | None:
+    """The parsed manifest (``raw``) of a complete remote checkpoint; None (with a warning) if unusable;
     UnsupportedFormat if a newer spot-trainer wrote it."""
-    raw = remote.read_bytes(manifest_key(ckpt.name))
     if raw is None:
         logger.warning("skipping remote %s: its manifest disappeared (retention running?)", ckpt.name)
         return None

@@ -33,7 +33,7 @@ from uploader.local import LocalCheckpoint, finished_marker, list_committed
 from uploader.manifest import MANIFEST_NAME
 from uploader.probe import check_writable
 from uploader.remote import Remote
-from uploader.sync import push
+from uploader.sync import push, set_aside_local
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ def _loop(
             try:
                 push(ckpt, remote, keep, abort=abort)
             except (CorruptCheckpoint, ManifestError) as e:
-                logger.warning("skipping local %s: %s", ckpt.name, e)
+                set_aside_local(ckpt, e)  # never uploaded, counted or chosen again
                 given_up.add(identity)
                 continue
             except TransientStorageError as e:

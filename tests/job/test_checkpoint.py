@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import pickle
 from dataclasses import replace
 from pathlib import Path
@@ -89,7 +90,11 @@ def test_resume_refuses_when_every_checkpoint_is_corrupt(tiny_config, saved):
     before = checkpoints_of(folder)
     with pytest.raises(CheckpointLoadError, match=r"none of the 3 checkpoint\(s\) in .* verifies.*--resume never"):
         train_state(tiny_config(max_duration="40ba"), ckpt_config(folder, interval="10ba"), stop_at=0)
-    assert checkpoints_of(folder) == before
+    # Set aside for inspection (renamed corrupt-step-...-<time>), every byte kept; the next start says so too.
+    assert local.list_committed(folder) == [] and len(local.list_set_aside(folder)) == 3
+    assert {re.sub(r"^corrupt-(step-\d+)-[^/]+", r"\1", k): v for k, v in checkpoints_of(folder).items()} == before
+    with pytest.raises(CheckpointLoadError, match=r"failed verification \(set aside.*--resume never"):
+        train_state(tiny_config(max_duration="40ba"), ckpt_config(folder, interval="10ba"), stop_at=0)
     state = train_state(tiny_config(max_duration="10ba"), ckpt_config(folder, interval="10ba", resume="never"))
     assert state.timer.batch.value == 10  # the way out the message names
 

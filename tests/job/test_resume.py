@@ -5,7 +5,10 @@ import logging
 
 import pytest
 
+from job.exceptions import ConfigError
+from tests.support.checkpoints import checkpoints_of
 from tests.support.jobs import assert_states_equal, ckpt_config, train_state
+from uploader import local
 
 BATCHES_PER_EPOCH = 48  # spirals: 3072 samples / 64
 
@@ -73,8 +76,22 @@ def test_finished_run_restarted_does_no_more_work(tiny_config, tmp_path):
     assert_states_equal(first, again)
 
 
-def test_resume_never_starts_from_scratch(tiny_config, tmp_path, straight):
+def test_resume_never_starts_from_scratch_beside_checkpoints_set_aside(tiny_config, tmp_path, straight):
+    """Checkpoints that failed verification were set aside: they are never chosen, so a new run may start."""
     folder = tmp_path / "never"
     train_state(tiny_config(), ckpt_config(folder), stop_at=20)
+    for ckpt in local.list_committed(folder):
+        local.set_aside(ckpt, "damaged, in this test")
     fresh = train_state(tiny_config(), ckpt_config(folder, resume="never"))
     assert_states_equal(straight, fresh)
+    assert [c.step for c in local.list_committed(folder)] == [70] and len(local.list_set_aside(folder)) == 1
+
+
+def test_resume_never_refuses_a_folder_that_holds_another_run(tiny_config, tmp_path):
+    """A new run among an older run's checkpoints: they would stay newest and be resumed next time."""
+    folder = tmp_path / "used"
+    train_state(tiny_config(), ckpt_config(folder), stop_at=20)
+    before = checkpoints_of(folder)
+    with pytest.raises(ConfigError, match="already holds checkpoints of a run .*its own --save-folder"):
+        train_state(tiny_config(), ckpt_config(folder, resume="never"))
+    assert checkpoints_of(folder) == before

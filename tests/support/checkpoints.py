@@ -19,7 +19,7 @@ from uploader.sync import list_remote
 CHUNK = 64 * 1024 * 1024
 
 # A few files, one of them in a sub-folder; sizes small enough to be quick everywhere.
-SMALL_FILES: Mapping[str, int] = {"model.pt": 200_000, "optim.pt": 50_000, "rng/state.bin": 1_000, "empty": 0}
+SMALL_FILES: Mapping[str, int] = {"state.pt": 200_000, "optim.pt": 50_000, "rng/state.bin": 1_000, "empty": 0}
 # Plus one file over the 5 MiB multipart threshold of s3server.fast_config: 3 parts up, 3 ranges down.
 WITH_LARGE_FILE: Mapping[str, int] = {**SMALL_FILES, "big.bin": 11 * 1024 * 1024 + 123}
 

@@ -41,9 +41,9 @@ class RecordingRemote:
         self._record("head", key)
         return self.inner.head(key)
 
-    def read_bytes(self, key: str) -> bytes | None:
+    def read_bytes(self, key: str, limit: int | None = None) -> bytes | None:
         self._record("read_bytes", key)
-        return self.inner.read_bytes(key)
+        return self.inner.read_bytes(key, limit)
 
     def write_bytes(self, key: str, data: bytes) -> None:
         self._record("write_bytes", key)
@@ -59,6 +59,10 @@ class RecordingRemote:
     def get_file(self, key: str, path: Path, **kwargs: Any) -> None:
         self._record("get_file", key)
         self.inner.get_file(key, path, **kwargs)
+
+    def copy(self, source: str, dest: str, *, size: int) -> None:
+        self._record("copy", (source, dest))
+        self.inner.copy(source, dest, size=size)
 
     def delete(self, keys: Sequence[str]) -> None:
         self._record("delete", list(keys))

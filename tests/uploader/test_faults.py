@@ -55,7 +55,7 @@ def test_download_survives_resets(fault_proxy: FaultProxy, s3_bucket: Bucket, tm
     ckpt = make_checkpoint(tmp_path / "local", 10, WITH_LARGE_FILE)
     remote = via(fault_proxy, s3_bucket)
     push(ckpt, remote, keep=3)
-    # Smaller than model.pt: each of the next two connections dies half-way through a response body.
+    # Smaller than state.pt: each of the next two connections dies half-way through a response body.
     fault_proxy.reset_after(100_000, times=2, graceful=graceful)
 
     pulled = pull_newest(remote, tmp_path / "restore")
@@ -66,7 +66,7 @@ def test_download_survives_resets(fault_proxy: FaultProxy, s3_bucket: Bucket, tm
 
 def test_a_range_retried_mid_block_is_hashed_afresh(fault_proxy: FaultProxy, s3_bucket: Bucket, tmp_path: Path) -> None:
     """Format 2 hashes ranges as they arrive: a retried range must replace, not extend, its blocks."""
-    ckpt = make_checkpoint(tmp_path / "local", 10, {"big.bin": 11 * MiB + 123}, block_size=768 * 1024)
+    ckpt = make_checkpoint(tmp_path / "local", 10, {"state.pt": 11 * MiB + 123}, block_size=768 * 1024)
     remote = via(fault_proxy, s3_bucket)
     push(ckpt, remote, keep=3)
     fault_proxy.reset_after(1_300_000, times=1)  # inside a range's second 768 KiB block
@@ -139,12 +139,12 @@ def test_permanent_errors_fail_fast_with_one_clear_line(
 def test_a_ranged_download_reuses_its_connections(fault_proxy: FaultProxy, s3_bucket: Bucket, tmp_path: Path) -> None:
     """Each range is streamed past urllib3 straight into the file; the connection must still go back
     to the pool (on real S3 every new one is a TLS handshake), not be closed after every range."""
-    ckpt = make_checkpoint(tmp_path / "local", 10, {"big.bin": 12 * MiB})
+    ckpt = make_checkpoint(tmp_path / "local", 10, {"state.pt": 12 * MiB})
     remote = via(fault_proxy, s3_bucket, part_size=5 * MiB, concurrency=1)
     push(ckpt, remote, keep=3)
     before = fault_proxy.counters.connections
     pulled = pull_newest(remote, tmp_path / "restore")
     assert pulled is not None and data_files_of(pulled.path) == data_files_of(ckpt.path)
-    gets = [line for line in fault_proxy.counters.request_lines if line.startswith("GET") and "big.bin" in line]
+    gets = [line for line in fault_proxy.counters.request_lines if line.startswith("GET") and "state.pt" in line]
     assert len(gets) >= 3  # three ranges of 5, 5 and 2 MiB
     assert fault_proxy.counters.connections - before <= 1  # one window slot: one connection for every request

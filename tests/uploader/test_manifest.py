@@ -12,21 +12,22 @@ from uploader.exceptions import CorruptCheckpoint, ManifestError, UnsupportedFor
 from uploader.hashing import digest_bytes
 from uploader.manifest import FORMAT_VERSION, FileEntry, Manifest
 
-DATA = bytes(range(256)) * 20  # 5120 bytes: two whole 2 KiB blocks and a short one
+DATA = bytes(range(256)) * 640  # 160 KiB: two whole 64 KiB blocks (the smallest allowed) and a short one
+BLOCK = 64 * 1024
 
 
 def doc(version: int, **entry: Any) -> bytes:
-    files = [{"path": "a.bin", "size": len(DATA), "sha256": hashlib.sha256(DATA).hexdigest(), **entry}]
+    files = [{"path": "state.pt", "size": len(DATA), "sha256": hashlib.sha256(DATA).hexdigest(), **entry}]
     return json.dumps({"format_version": version, "step": 3, "files": files}).encode()
 
 
 def folder_with_data(tmp_path: Path) -> Path:
-    (tmp_path / "a.bin").write_bytes(DATA)
+    (tmp_path / "state.pt").write_bytes(DATA)
     return tmp_path
 
 
 def test_this_build_writes_format_2_with_block_sizes_and_reads_it_back(tmp_path: Path) -> None:
-    entry = FileEntry("a.bin", len(DATA), digest_bytes(DATA, 2048), block_size=2048)
+    entry = FileEntry("state.pt", len(DATA), digest_bytes(DATA, BLOCK), block_size=BLOCK)
     manifest = Manifest(step=3, files=(entry,))
     back = Manifest.from_json(manifest.to_json())
     assert FORMAT_VERSION == 2 and back == manifest
@@ -41,17 +42,17 @@ def test_an_entry_without_block_size_is_a_plain_sha256(tmp_path: Path, version: 
 
 
 def test_a_block_digest_checked_against_other_bytes_fails(tmp_path: Path) -> None:
-    manifest = Manifest.from_json(doc(2, block_size=2048))  # the plain sha256 under a block_size: wrong
+    manifest = Manifest.from_json(doc(2, block_size=BLOCK))  # the plain sha256 under a block_size: wrong
     with pytest.raises(CorruptCheckpoint, match="sha256"):
         manifest.verify(folder_with_data(tmp_path))
 
 
 def test_format_1_has_no_block_size() -> None:
     with pytest.raises(ManifestError, match="format_version 1 has no block_size"):
-        Manifest.from_json(doc(1, block_size=2048))
+        Manifest.from_json(doc(1, block_size=BLOCK))
 
 
-@pytest.mark.parametrize("bad", [0, -1, "2048", 1.5, True, [2048]])
+@pytest.mark.parametrize("bad", [0, -1, 1, 2048, 65535, 64 * 1024 * 1024 + 1, "65536", 65536.0, True, [65536]])
 def test_a_malformed_block_size_is_refused(bad: Any) -> None:
     with pytest.raises(ManifestError, match="malformed block_size"):
         Manifest.from_json(doc(2, block_size=bad))

@@ -21,7 +21,7 @@ from tests.support.recording import RecordingRemote
 from uploader.exceptions import CorruptCheckpoint, UnsupportedFormat
 from uploader.filesystem import FileRemote
 from uploader.layout import LATEST_KEY, data_key, manifest_key
-from uploader.local import STAGING_PREFIX, LocalCheckpoint, checkpoint_name, list_committed, newest_verified
+from uploader.local import STAGING_PREFIX, LocalCheckpoint, checkpoint_name, list_committed, list_set_aside, newest_verified
 from uploader.remote import Remote
 from uploader.sync import list_remote, newest_complete, pull_newest, push, push_all
 
@@ -166,13 +166,17 @@ def test_push_all_skips_a_corrupt_local_checkpoint(remote: Remote, local: Path,
                                                    caplog: pytest.LogCaptureFixture) -> None:
     damaged = make_checkpoint(local, 1)
     make_checkpoint(local, 2)
-    corrupt_file(damaged.path / "model.pt")
+    corrupt_file(damaged.path / "state.pt")
 
-    with caplog.at_level(logging.WARNING, logger="uploader.sync"):
+    with caplog.at_level(logging.WARNING, logger="uploader"):
         pushed = push_all(local, remote, keep=3)
 
     assert pushed == [2] and complete_steps(remote) == [2]
-    assert f"skipping local {damaged.name}" in caplog.text
+    assert f"skipping corrupt checkpoint {damaged.path}" in caplog.text
+    # Set aside, kept for inspection: never listed, chosen, uploaded or pruned again.
+    assert [c.step for c in list_committed(local)] == [2]
+    (aside,) = list_set_aside(local)
+    assert aside.name.startswith(f"corrupt-{damaged.name}-") and (aside / "state.pt").is_file()
 
 
 @pytest.mark.parametrize("hostile", ["../../escape-{token}", "../../../escape-{token}", "sub/../../../escape-{token}",
@@ -203,9 +207,9 @@ def test_corrupt_remote_checkpoint_is_skipped_for_the_previous_one(
     push(make_checkpoint(local, 100), remote, keep=3)
     newest = make_checkpoint(local, 200)
     push(newest, remote, keep=3)
-    damaged = bytearray(remote.read_bytes(data_key(newest.name, "model.pt")) or b"")
+    damaged = bytearray(remote.read_bytes(data_key(newest.name, "state.pt")) or b"")
     damaged[0] ^= 0xFF
-    remote.write_bytes(data_key(newest.name, "model.pt"), bytes(damaged))
+    remote.write_bytes(data_key(newest.name, "state.pt"), bytes(damaged))
 
     with caplog.at_level(logging.WARNING, logger="uploader.sync"):
         pulled = pull_newest(remote, restore)
