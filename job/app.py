@@ -17,7 +17,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from job.build import build, refit_schedule
-from job import distributed
+from job import distributed, elastic
 from job.checkpoint import Checkpointer, check_settings, claim_folder, load_shard, load_state_file, open_checkpoint, restore
 from job.exceptions import CheckpointLoadError
 from job.config import CheckpointConfig, TrainConfig
@@ -219,12 +219,14 @@ def _resume_from_pull(store: RemoteStore, pulled: LocalCheckpoint) -> tuple[Path
 
 def resume(state: State, cfg: CheckpointConfig, checkpointer: Checkpointer, meta: dict[str, Any],
            store: RemoteStore | None, mesh: DeviceMesh | None = None,
-           pulling: Future[LocalCheckpoint | None] | None = None) -> bool:
-    """Rank 0 chooses and reads the checkpoint; every rank loads the same one (its own RNG and metrics).
+           pulling: Future[LocalCheckpoint | None] | None = None) -> dict[str, Any] | None:
+    """Rank 0 chooses and reads the checkpoint; every rank loads the same one, with what was per rank
+    handed over by job.elastic (on another number of ranks too). Returns the checkpoint's manifest
+    meta, from which the caller plans the global batch; None when there is nothing to resume.
 
     A sharded checkpoint is not read by rank 0: each rank reads its own shard from the chosen folder.
     """
-    loaded: tuple[str, Any, str] | None = None
+    loaded: tuple[str, Any, str, dict[str, Any], int] | None = None
     if distributed.rank() == 0:
         chosen = choose(cfg, checkpointer, store, pulling)
         if chosen is not None:
@@ -235,18 +237,22 @@ def resume(state: State, cfg: CheckpointConfig, checkpointer: Checkpointer, meta
                     f"checkpoint {source} was written {'with' if manifest.meta.get('sharded') else 'without'} "
                     f"--sharded; resume it the same way, or start a new run in another --save-folder/--remote")
             loaded = ("sharded", str(folder), source) if mesh is not None else ("full", load_state_file(folder), source)
+            loaded = (*loaded, manifest.meta, manifest.step)
     loaded = distributed.broadcast_choice(loaded)
     if loaded is None:
-        return False
-    kind, payload, source = loaded
+        return None
+    kind, payload, source, ckpt_meta, step = loaded
     if kind == "sharded":
         assert mesh is not None
-        tree = load_shard(Path(payload), mesh)
+        handover = elastic.Handover(load_shard(Path(payload), mesh), [])
     else:
-        tree = distributed.for_this_rank(payload)
-    restore(state, tree, source)
-    event(logger, "resumed", step=state.timer.batch.value, epoch=state.timer.epoch.value, source=source)
-    return True
+        handover = elastic.for_this_rank(payload, distributed.rank(), distributed.world_size(),
+                                         seed=state.rank_zero_seed, step=step)
+    restore(state, handover.tree, source)
+    handover.finish(state.train_metrics)
+    event(logger, "resumed", step=state.timer.batch.value, epoch=state.timer.epoch.value, source=source,
+          world_size_was=ckpt_meta.get("world_size"), world_size=distributed.world_size())
+    return ckpt_meta
 
 
 def _until_exit(stop: StopRequest) -> float | None:
@@ -329,9 +335,14 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
                                     on_commit=store.submit if store is not None else None,
                                     pin_memory=cfg.device == "cuda", sharded=cfg.sharded)
         cadence = CheckpointCadence(checkpointer, ckpt_cfg)
-        if resume(state, ckpt_cfg, checkpointer, meta, store, run.mesh, pulling):
+        resumed = resume(state, ckpt_cfg, checkpointer, meta, store, run.mesh, pulling)
+        plan = elastic.fresh_plan(cfg, run.world_size)
+        if resumed is not None:
             cadence.last_step = state.timer.batch.value
+            plan = elastic.resumed_plan(resumed, cfg, run.world_size)
+            elastic.apply_plan(plan, run, cfg, int(resumed.get("world_size", 1)))
             refit_schedule(run, cfg.lr)
+        checkpointer.meta = {**meta, **plan.meta()}
         if ckpt_cfg.async_save:
             checkpointer.reserve(state)
         spot_handler = SpotHandler(spot, stop) if spot is not None else None

@@ -21,7 +21,7 @@ from job.config import TrainConfig
 from job.exceptions import ConfigError
 from job.plugins import data_factory, model_factory
 from job.sharded import shard_model
-from state import Evaluator, Precision, ResumableBatchSampler, State, TimeUnit, seed_all
+from state import Evaluator, GlobalBatchSampler, Precision, State, TimeUnit, seed_all
 
 logger = logging.getLogger(__name__)
 
@@ -31,9 +31,8 @@ class Run:
     """A State plus the pieces the loop drives but the State does not own."""
 
     state: State
-    sampler: ResumableBatchSampler
+    sampler: GlobalBatchSampler  # its global batch may change on resume (job.elastic)
     device: torch.device
-    batch_size: int  # per rank
     world_size: int = 1
     mesh: DeviceMesh | None = None  # set when the model is sharded (FSDP2)
     schedule_steps: int | None = None  # the LR schedule's length the flags ask for (None: no schedule)
@@ -64,15 +63,15 @@ def _metrics(model: torch.nn.Module, train: bool) -> dict[str, Any]:
     return {type(found).__name__: found}
 
 
-def total_batches(cfg: TrainConfig, steps_per_epoch: int) -> int | None:
-    """Length of the LR schedule in optimizer steps; None when it cannot be known (tokens)."""
+def total_batches(cfg: TrainConfig, steps_per_epoch: int, global_batch: int) -> int | None:
+    """Length of the LR schedule in optimizer steps (global batches); None when it cannot be known (tokens)."""
     d = cfg.max_duration
     if d.unit == TimeUnit.EPOCH:
         return int(d.value) * steps_per_epoch
     if d.unit == TimeUnit.BATCH:
         return int(d.value)
     if d.unit == TimeUnit.SAMPLE:
-        return math.ceil(int(d.value) / (cfg.batch_size * distributed.world_size()))
+        return math.ceil(int(d.value) / global_batch)
     return None
 
 
@@ -101,7 +100,10 @@ def build(cfg: TrainConfig) -> Run:
     if len(train_ds) < cfg.batch_size:
         raise ConfigError(f"--batch-size {cfg.batch_size} is larger than the training set ({len(train_ds)} samples)")
 
-    sampler = ResumableBatchSampler(len(train_ds), cfg.batch_size, seed=cfg.seed, num_replicas=world, rank=rank)
+    if len(train_ds) < cfg.batch_size * world:
+        raise ConfigError(f"--batch-size {cfg.batch_size} on {world} ranks is a global batch larger than the training "
+                          f"set ({len(train_ds)} samples)")
+    sampler = GlobalBatchSampler(len(train_ds), cfg.batch_size * world, seed=cfg.seed, num_replicas=world, rank=rank)
     pin = device.type == "cuda"
     # Explicit generators: a DataLoader without one draws its worker seed from the global RNG each time
     # an iterator starts, which would make a mid-epoch resume diverge from an uninterrupted run.
@@ -120,7 +122,7 @@ def build(cfg: TrainConfig) -> Run:
         model = DistributedDataParallel(model, device_ids=[torch.cuda.current_device()] if device.type == "cuda" else None)
         distributed.keep_until_exit(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
-    steps = total_batches(cfg, len(sampler))
+    steps = total_batches(cfg, len(sampler), sampler.global_batch)
     schedulers = [torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)] if steps else []
     scaler = torch.amp.GradScaler("cuda") if cfg.precision == Precision.AMP_FP16 else None
 
@@ -137,8 +139,7 @@ def build(cfg: TrainConfig) -> Run:
         train_metrics=train_metrics,
     )
     state.schedulers = schedulers
-    return Run(state=state, sampler=sampler, device=device, batch_size=cfg.batch_size, world_size=world, mesh=mesh,
-               schedule_steps=steps)
+    return Run(state=state, sampler=sampler, device=device, world_size=world, mesh=mesh, schedule_steps=steps)
 
 
 def refit_schedule(run: Run, lr: float) -> None:

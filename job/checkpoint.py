@@ -33,8 +33,9 @@ from uploader.manifest import FileEntry, Manifest
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "state.pt"
-# Settings that change the training result: resuming with other values cannot be bit-exact.
-RESULT_SETTINGS = ("model", "data", "batch_size", "seed", "grad_accum", "world_size")
+# Settings that change the training result: resuming with other values cannot be bit-exact. The
+# batch settings and the number of ranks are job.elastic's: the global batch is kept whatever they are.
+RESULT_SETTINGS = ("model", "data", "seed")
 WRITER_NICE = 10  # how much nicer the background writer is than the training thread
 
 
@@ -350,6 +351,10 @@ def check_settings(manifest: Manifest, meta: dict[str, Any]) -> None:
         if old is not None and old != new:
             logger.warning("resuming with %s=%r, the checkpoint was made with %r: the result will differ "
                            "from an uninterrupted run", key, new, old)
+    old_world, world = manifest.meta.get("world_size"), meta.get("world_size")
+    if old_world is not None and old_world != world:
+        logger.warning("resuming on %s rank(s), the checkpoint was written by %s: the same global batches in the "
+                       "same order, so the result is close to, not bit for bit, an uninterrupted run", world, old_world)
 
 
 def load_shard(folder: Path, mesh: Any) -> dict[str, Any]:

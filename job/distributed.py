@@ -153,19 +153,3 @@ def broadcast_choice(obj: Any) -> Any:
     box = [obj if rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def for_this_rank(tree: dict[str, Any]) -> dict[str, Any]:
-    """The checkpoint as this rank must load it: its own RNG and metric state, when they were saved."""
-    per_rank = tree.get(PER_RANK)
-    if per_rank is None:
-        return tree
-    mine = dict(tree)
-    del mine[PER_RANK]
-    if len(per_rank) != world_size():
-        logger.warning("checkpoint was written by %d ranks, this run has %d: each rank keeps rank 0's RNG "
-                       "and metric state; the result will differ from an uninterrupted run",
-                       len(per_rank), world_size())
-        return mine
-    mine.update({k: v for k, v in per_rank[rank()].items() if v is not None})
-    return mine

@@ -8,7 +8,7 @@ from state.evaluator import Evaluator
 from state.exceptions import PrecisionError, StateError
 from state.precision import Precision, default_precision_context
 from state.rng import SEED_LIMIT, capture_rng, restore_rng, seed_all
-from state.sampler import ResumableBatchSampler
+from state.sampler import GlobalBatchSampler, ResumableBatchSampler
 from state.serializable import Serializable
 from state.state import State
 from state.time import Time, Timer, TimeUnit
@@ -18,6 +18,7 @@ __all__ = [
     "Evaluator",
     "Precision",
     "PrecisionError",
+    "GlobalBatchSampler",
     "ResumableBatchSampler",
     "Serializable",
     "State",

@@ -117,3 +117,84 @@ def _check_int(name: str, value: object, minimum: int | None = None) -> None:
         raise TypeError(f"{name} must be an int, got {type(value).__name__}: {value!r}")
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+class GlobalBatchSampler:
+    """Yields this rank's slice of each *global* batch, for ``DataLoader(batch_sampler=...)``: elastic.
+
+    Each epoch's order is the same seeded permutation as :class:`ResumableBatchSampler`'s, cut into global
+    batches of ``global_batch`` samples (the remainder dropped); global batch ``b`` is a pure function of
+    (seed, epoch, b), whatever the number of ranks, and rank ``r`` of ``W`` takes ``batch[r::W]``. So a run
+    stopped after global batch ``b`` and resumed on any number of ranks that divides the global batch
+    trains every sample of the epoch exactly once, starting at ``b + 1`` without reading the batches before.
+
+    With one rank, or when the dataset divides among the ranks, the slices are exactly the batches the
+    rank-strided :class:`ResumableBatchSampler` yields (its rank ``r`` takes ``perm[r::W]`` in batches of
+    ``global_batch / W``). Its one difference, padding an uneven dataset by wrapping around, is kept by
+    ``wrap_pad=True`` so that checkpoints of that scheme still resume bit for bit on their own rank count.
+
+    ``configure`` changes the number of ranks in place: the DataLoader keeps its batch sampler for life.
+    """
+
+    def __init__(self, num_samples: int, global_batch: int, seed: int, num_replicas: int = 1, rank: int = 0,
+                 shuffle: bool = True, wrap_pad: bool = False) -> None:
+        _check_int("num_samples", num_samples, minimum=1)
+        _check_int("seed", seed)
+        self.num_samples = num_samples
+        self.seed = seed
+        self.shuffle = bool(shuffle)
+        self.epoch = 0
+        self.start_batch = 0
+        self.configure(global_batch, num_replicas, rank, wrap_pad)
+
+    def configure(self, global_batch: int, num_replicas: int, rank: int, wrap_pad: bool = False) -> None:
+        """Take ``global_batch / num_replicas`` samples of each global batch, as rank ``rank``."""
+        _check_int("global_batch", global_batch, minimum=1)
+        _check_int("num_replicas", num_replicas, minimum=1)
+        _check_int("rank", rank, minimum=0)
+        if rank >= num_replicas:
+            raise ValueError(f"rank must be in [0, num_replicas={num_replicas}), got {rank}")
+        if global_batch % num_replicas:
+            raise ValueError(f"a global batch of {global_batch} does not divide among {num_replicas} ranks")
+        self.global_batch, self.num_replicas, self.rank, self.wrap_pad = global_batch, num_replicas, rank, wrap_pad
+        if len(self) < 1:
+            raise ValueError(f"a global batch of {global_batch} leaves no batch in {self.num_samples} samples")
+
+    @property
+    def batch_size(self) -> int:
+        """Samples per rank and step."""
+        return self.global_batch // self.num_replicas
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        """Select the epoch to iterate and the global batch to start at (the timer's ``batch_in_epoch``)."""
+        _check_int("epoch", epoch, minimum=0)
+        _check_int("start_batch", start_batch, minimum=0)
+        if start_batch > len(self):
+            raise ValueError(f"start_batch must be in [0, {len(self)}] (batches per epoch), got {start_batch}")
+        self.epoch, self.start_batch = epoch, start_batch
+
+    def _order(self) -> torch.Tensor:
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(epoch_seed(self.seed, self.epoch))
+            order = torch.randperm(self.num_samples, generator=generator)
+        else:
+            order = torch.arange(self.num_samples)
+        padded = -(-self.num_samples // self.num_replicas) * self.num_replicas
+        if self.wrap_pad and padded > self.num_samples:
+            order = order.repeat(-(-padded // self.num_samples))[:padded]
+        return order
+
+    def __iter__(self) -> Iterator[list[int]]:
+        order, size = self._order(), self.global_batch
+        for batch in range(self.start_batch, len(self)):
+            yield order[batch * size : (batch + 1) * size][self.rank :: self.num_replicas].tolist()
+
+    def __len__(self) -> int:
+        if self.wrap_pad:  # the rank-strided scheme: ceil(N / W) samples per rank, whole batches of them
+            return -(-self.num_samples // self.num_replicas) // self.batch_size
+        return self.num_samples // self.global_batch
+
+    def __repr__(self) -> str:
+        return (f"GlobalBatchSampler(num_samples={self.num_samples}, global_batch={self.global_batch}, "
+                f"seed={self.seed}, num_replicas={self.num_replicas}, rank={self.rank}, shuffle={self.shuffle}, "
+                f"wrap_pad={self.wrap_pad}, epoch={self.epoch}, start_batch={self.start_batch})")

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from state import ResumableBatchSampler
+from state import GlobalBatchSampler, ResumableBatchSampler
 
 
 def _epoch(sampler: ResumableBatchSampler, epoch: int, start_batch: int = 0) -> list[list[int]]:
@@ -128,3 +128,54 @@ def test_constructor_validates(kwargs: dict[str, Any], error: type, message: str
 def test_set_epoch_validates(epoch: int, start_batch: int, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ResumableBatchSampler(10, 2, seed=0).set_epoch(epoch, start_batch)
+
+
+# -- GlobalBatchSampler (issue 17): the global batch is the unit, whatever the number of ranks ------------
+
+
+def _global_batches(num_samples: int, global_batch: int, world: int, epoch: int = 2) -> list[list[int]]:
+    """Global batch b as the union of every rank's slice of it, in rank-slice order."""
+    per_rank = []
+    for rank in range(world):
+        sampler = GlobalBatchSampler(num_samples, global_batch, seed=11, num_replicas=world, rank=rank)
+        sampler.set_epoch(epoch)
+        per_rank.append(list(sampler))
+    return [sorted(i for rank in range(world) for i in per_rank[rank][b]) for b in range(len(per_rank[0]))]
+
+
+@pytest.mark.parametrize("num_samples", [3072, 1000, 97])
+def test_each_global_batch_is_the_same_whatever_the_number_of_ranks(num_samples: int) -> None:
+    one = _global_batches(num_samples, 24, 1)
+    assert len(one) == num_samples // 24
+    for world in (2, 3, 4, 6, 8):
+        assert _global_batches(num_samples, 24, world) == one
+
+
+def test_switching_rank_counts_mid_epoch_trains_every_sample_exactly_once() -> None:
+    seen: list[int] = []
+    steps = 1000 // 24
+    for world, (start, stop) in ((2, (0, 10)), (1, (10, 25)), (3, (25, steps))):
+        for rank in range(world):
+            sampler = GlobalBatchSampler(1000, 24, seed=11, num_replicas=world, rank=rank)
+            sampler.set_epoch(0, start)
+            seen += [i for batch in list(sampler)[: stop - start] for i in batch]
+    assert len(seen) == len(set(seen)) == steps * 24  # the remainder (1000 % 24) is dropped, as drop_last does
+
+
+@pytest.mark.parametrize(("num_samples", "batch", "world"), [(3072, 64, 2), (100, 5, 3), (10, 1, 3), (97, 4, 4)])
+def test_the_rank_strided_scheme_is_kept_for_its_old_checkpoints(num_samples: int, batch: int, world: int) -> None:
+    for rank in range(world):
+        old = ResumableBatchSampler(num_samples, batch, seed=5, num_replicas=world, rank=rank)
+        new = GlobalBatchSampler(num_samples, batch * world, seed=5, num_replicas=world, rank=rank, wrap_pad=True)
+        old.set_epoch(3, 1)
+        new.set_epoch(3, 1)
+        assert list(new) == list(old) and len(new) == len(old)
+        if num_samples % world == 0:  # no padding: the new scheme is the old one exactly
+            plain = GlobalBatchSampler(num_samples, batch * world, seed=5, num_replicas=world, rank=rank)
+            plain.set_epoch(3, 1)
+            assert list(plain) == list(old)
+
+
+def test_a_global_batch_must_divide_among_the_ranks() -> None:
+    with pytest.raises(ValueError, match="does not divide among 5 ranks"):
+        GlobalBatchSampler(1000, 24, seed=1, num_replicas=5)

@@ -1,0 +1,161 @@
+"""Resuming on whatever capacity comes back: the global batch, and the state that was per rank.
+
+The unit of progress is the *global* batch: ``--batch-size`` x ranks at the run's first start, recorded
+in every manifest with the per-device micro-batch (``batch_size / grad_accum``) and the sampler scheme.
+A resume on W ranks keeps it: each rank takes ``global_batch / W`` samples of each global batch
+(state.GlobalBatchSampler), in micro-batches no larger than the original one (gradient accumulation
+absorbs the rest), so a smaller cluster never runs out of memory and a larger one never changes the
+optimization. The learning-rate schedule and step counting are in global batches already.
+
+What was per rank comes back like this on another number of ranks: the train-metric accumulators of
+all old ranks are merged into new rank 0 (torchmetrics' own ``merge_state``; the other ranks start
+empty), so the epoch's train metrics are those of an uninterrupted run; old rank r < W keeps its own RNG
+streams, and a rank that did not exist gets streams seeded from ``derived_seed(seed, rank, step)``.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from job import distributed
+from job.build import Run, total_batches
+from job.config import TrainConfig
+from job.exceptions import ConfigError
+from state import SEED_LIMIT
+from state.metrics import load_metric_state
+from state.rng import capture_rng, restore_rng, seed_all
+from state.sampler import _splitmix64
+
+logger = logging.getLogger(__name__)
+
+SAMPLER_SCHEME = "global-batch-v1"  # manifests without it were written by the rank-strided sampler
+LEGACY_SCHEME = "rank-strided-v0"
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How one global batch is split: among ranks, then into micro-batches on each rank."""
+
+    global_batch: int
+    micro_batch: int  # the largest micro-batch a device runs (the run's first start's)
+    world: int
+    scheme: str = SAMPLER_SCHEME
+
+    @property
+    def per_rank(self) -> int:
+        return self.global_batch // self.world
+
+    @property
+    def grad_accum(self) -> int:
+        """The fewest equal micro-batches, none larger than ``micro_batch``, that make up ``per_rank``."""
+        parts = -(-self.per_rank // self.micro_batch)
+        while self.per_rank % parts:
+            parts += 1
+        return parts
+
+    def meta(self) -> dict[str, Any]:
+        return {"global_batch": self.global_batch, "micro_batch": self.micro_batch, "sampler": self.scheme}
+
+
+def fresh_plan(cfg: TrainConfig, world: int) -> BatchPlan:
+    """A run's first start: the flags define the global batch."""
+    return BatchPlan(cfg.batch_size * world, cfg.batch_size // cfg.grad_accum, world)
+
+
+def resumed_plan(meta: dict[str, Any], cfg: TrainConfig, world: int) -> BatchPlan:
+    """The checkpoint's global batch on ``world`` ranks; ConfigError (exit 2) when it does not divide.
+
+    Checkpoints written before the global batch was recorded derive it from their per-rank settings.
+    """
+    flags = fresh_plan(cfg, world)
+    try:
+        old_world = int(meta.get("world_size", 1))
+        global_batch = int(meta.get("global_batch", int(meta["batch_size"]) * old_world))
+        micro = int(meta.get("micro_batch", int(meta["batch_size"]) // int(meta["grad_accum"])))
+    except (KeyError, TypeError, ValueError):
+        return flags  # a checkpoint without these settings (hand-made, very old): the flags decide
+    if global_batch < 1 or micro < 1:
+        return flags
+    if global_batch % world:
+        works = [n for n in range(1, global_batch + 1) if global_batch % n == 0 and n <= 1024]
+        raise ConfigError(
+            f"the run's global batch of {global_batch} samples does not divide among {world} ranks; resume it on "
+            f"{', '.join(map(str, works))} ranks (or start a new run with a --batch-size that divides)")
+    plan = BatchPlan(global_batch, micro, world, str(meta.get("sampler", LEGACY_SCHEME)))
+    if plan.global_batch != flags.global_batch:
+        logger.warning("keeping the checkpoint's global batch of %d samples (%d per rank on %d ranks); --batch-size "
+                       "%d x %d ranks would be %d", plan.global_batch, plan.per_rank, world, cfg.batch_size, world,
+                       flags.global_batch)
+    return plan
+
+
+def apply_plan(plan: BatchPlan, run: Run, cfg: TrainConfig, old_world: int) -> None:
+    """Split each global batch as ``plan`` says: the sampler's slices, the micro-batches, the schedule's
+    length. The rank-strided scheme's padding is kept only on its own rank count (bit-exact there)."""
+    run.sampler.configure(plan.global_batch, plan.world, distributed.rank(),
+                          wrap_pad=plan.scheme == LEGACY_SCHEME and old_world == plan.world)
+    run.state.grad_accum = plan.grad_accum
+    run.schedule_steps = total_batches(cfg, len(run.sampler), plan.global_batch)
+
+
+def derived_seed(seed: int, rank: int, step: int) -> int:
+    """The seed of a rank that did not exist when the checkpoint was written (documented in the README)."""
+    return _splitmix64(_splitmix64(_splitmix64(seed) ^ rank) ^ step) % SEED_LIMIT
+
+
+def derived_rng(seed: int, rank: int, step: int) -> dict[str, Any]:
+    """RNG streams (python, numpy, torch) of a new rank, without disturbing the current ones."""
+    current = capture_rng()
+    try:
+        seed_all(derived_seed(seed, rank, step))
+        return capture_rng()
+    finally:
+        restore_rng(current)
+
+
+@dataclass
+class Handover:
+    """What one rank loads from a checkpoint, and what it does to its train metrics afterwards."""
+
+    tree: dict[str, Any]
+    merge: list[dict[str, Any]]  # other old ranks' metric snapshots to merge in (new rank 0)
+    reset_metrics: bool = False  # start the epoch's accumulators empty (new ranks > 0)
+
+    def finish(self, metrics: dict[str, Any]) -> None:
+        """After State.load_state_dict(tree): merge or reset the train-metric accumulators."""
+        if self.reset_metrics:
+            for metric in metrics.values():
+                metric.reset()
+        merge_metrics(metrics, self.merge)
+
+
+def for_this_rank(tree: dict[str, Any], rank: int, world: int, seed: int, step: int) -> Handover:
+    """How this rank loads a full checkpoint written by one or more ranks (module docstring)."""
+    mine = dict(tree)
+    per_rank = mine.pop(distributed.PER_RANK, None) or [{k: tree.get(k) for k in distributed.PER_RANK_KEYS}]
+    if len(per_rank) == world:  # the same ranks: each its own, exactly
+        mine.update({k: v for k, v in per_rank[rank].items() if v is not None})
+        return Handover(mine, [])
+    own = per_rank[rank] if rank < len(per_rank) else {}
+    mine["rng"] = own.get("rng") or derived_rng(seed, rank, step)
+    if per_rank[0].get("train_metrics") is not None:
+        mine["train_metrics"] = per_rank[0]["train_metrics"]  # new rank 0: old rank 0's, then the others'
+    if rank > 0:
+        return Handover(mine, [], reset_metrics=True)
+    return Handover(mine, [p["train_metrics"] for p in per_rank[1:] if p.get("train_metrics")])
+
+
+def merge_metrics(metrics: dict[str, Any], snapshots: list[dict[str, Any]]) -> None:
+    """Add other ranks' accumulator snapshots (state.metrics.metric_state) into ``metrics``."""
+    for snapshot in snapshots:
+        for name, metric in metrics.items():
+            if name not in snapshot:
+                continue
+            other = copy.deepcopy(metric)
+            other.reset()
+            load_metric_state(other, snapshot[name])
+            count = metric._update_count + other._update_count
+            metric.merge_state(other)
+            metric._update_count = count  # merge_state leaves it: compute() must not think it never ran

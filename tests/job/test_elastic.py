@@ -1,0 +1,162 @@
+"""Issue 17: resume on whatever capacity comes back. Real torchrun processes on CPU (gloo).
+
+A run keeps its global batch across resumes on other rank counts: every sample of the epoch is trained
+exactly once (the recording model writes down what it trains on), and the final weights are close to an
+uninterrupted run's on the original rank count (the same samples in the same global batches; only the
+floating-point order of the gradient reduction differs).
+"""
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.support.jobs import JobProcess, events, job_env
+from tests.support.recording_model import trained
+from uploader.local import list_committed
+
+pytestmark = pytest.mark.slow
+
+DATASET = 3072  # spirals' training split
+# A global batch of 96 (48 x 2 ranks, micro-batches of 24) divides among 1, 2, 3, 4, 6, 8 ... ranks.
+ARGS = ["--model", "tests.support.recording_model:build", "--data", "tests.support.recording_model:dataset",
+        "--max-duration", "1ep", "--eval-interval", "1ep", "--save-interval", "1000ba", "--log-interval", "2",
+        "--seed", "21", "--log-format", "json", "--lr", "0.01"]
+
+
+def torchrun(ranks: int, folder: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+            "-m", "job", "train", *ARGS, "--save-folder", str(folder), *extra]
+
+
+def run(ranks: int, folder: Path, record: Path, *extra: str, stop_after: int | None = None) -> JobProcess:
+    """One life of the run on ``ranks`` processes; SIGTERM once step ``stop_after`` is logged."""
+    record.mkdir(exist_ok=True)
+    proc = JobProcess(torchrun(ranks, folder, *extra), env=job_env(RECORD_DIR=str(record)))
+    try:
+        if stop_after is not None:
+            proc.wait_event("progress", lambda e: e["step"] >= stop_after, timeout=120)
+            proc.signal(signal.SIGTERM)  # torchrun passes it on to every worker
+        proc.wait(240)
+    finally:
+        proc.kill()
+    return proc
+
+
+def final_model(folder: Path) -> dict[str, torch.Tensor]:
+    newest = list_committed(folder)[-1]
+    return torch.load(newest.path / "state.pt", map_location="cpu", weights_only=True)["model"]
+
+
+def assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.allclose(a[name], b[name], rtol=1e-3, atol=1e-5), (name, (a[name] - b[name]).abs().max())
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, torch.Tensor]]:
+    """The whole epoch without a stop, on 2 ranks (--batch-size 48) and on 1 (--batch-size 96)."""
+    out = {}
+    for ranks, flags in ((2, ["--batch-size", "48", "--grad-accum", "2"]), (1, ["--batch-size", "96", "--grad-accum", "4"])):
+        base = tmp_path_factory.mktemp(f"straight{ranks}")
+        done = run(ranks, base / "ck", base / "record", *flags)
+        assert done.proc.returncode == 0, done.stderr[-3000:]
+        assert sorted(trained(base / "record")) == list(range(DATASET))
+        out[ranks] = final_model(base / "ck")
+    return out
+
+
+def resumed_events(proc: JobProcess) -> list[dict]:
+    return [e for e in events(proc.stderr) if e.get("event") == "resumed"]
+
+
+def test_2_then_1_then_3_ranks_train_every_sample_once_and_end_close(tmp_path: Path, uninterrupted) -> None:
+    folder, record = tmp_path / "ck", tmp_path / "record"
+    first = run(2, folder, record, "--batch-size", "48", "--grad-accum", "2", stop_after=6)
+    assert first.proc.returncode != 0 and any(e.get("event") == "preempted" for e in events(first.stderr))
+    # The flags a new, smaller or larger, cluster would be started with: the checkpoint's global batch wins.
+    second = run(1, folder, record, "--batch-size", "48", "--grad-accum", "2", stop_after=18)
+    assert any(e.get("event") == "preempted" for e in events(second.stderr)), second.stderr[-3000:]
+    third = run(3, folder, record, "--batch-size", "48", "--grad-accum", "2", "--num-workers", "2")
+    assert third.proc.returncode == 0, third.stderr[-3000:]
+
+    assert [(e["world_size_was"], e["world_size"]) for e in resumed_events(second) + resumed_events(third)] == [
+        (2, 1), (1, 3)]
+    assert sorted(trained(record)) == list(range(DATASET))  # every sample of the epoch exactly once
+    assert_close(final_model(folder), uninterrupted[2])
+
+
+def test_1_then_2_ranks_mid_epoch(tmp_path: Path, uninterrupted) -> None:
+    folder, record = tmp_path / "ck", tmp_path / "record"
+    run(1, folder, record, "--batch-size", "96", "--grad-accum", "4", stop_after=10)
+    done = run(2, folder, record, "--batch-size", "96", "--grad-accum", "4")
+    assert done.proc.returncode == 0, done.stderr[-3000:]
+    assert [(e["world_size_was"], e["world_size"]) for e in resumed_events(done)] == [(1, 2)]
+    assert sorted(trained(record)) == list(range(DATASET))
+    assert_close(final_model(folder), uninterrupted[1])
+
+
+def test_a_global_batch_that_does_not_divide_is_refused_before_training(tmp_path: Path) -> None:
+    folder, record = tmp_path / "ck", tmp_path / "record"
+    first = run(2, folder, record, "--batch-size", "32", "--grad-accum", "1", stop_after=4)  # global batch 64
+    assert any(e.get("event") == "preempted" for e in events(first.stderr))
+    before = len(trained(record))
+    refused = run(3, folder, record, "--batch-size", "32", "--grad-accum", "1")
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("job: error:")]
+    assert errors and all("does not divide among 3 ranks" in e and "1, 2, 4, 8, 16, 32, 64" in e for e in errors)
+    assert len(trained(record)) == before  # nothing trained
+
+
+# -- the pieces, in-process ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("per_rank", "micro", "accum"), [(96, 24, 4), (32, 24, 2), (30, 24, 2), (7, 3, 7), (24, 24, 1)])
+def test_micro_batches_are_never_larger_than_the_first_start_s(per_rank: int, micro: int, accum: int) -> None:
+    from job.elastic import BatchPlan
+
+    plan = BatchPlan(global_batch=per_rank * 2, micro_batch=micro, world=2)
+    assert plan.grad_accum == accum and plan.per_rank % accum == 0 and plan.per_rank // accum <= micro
+
+
+def test_a_checkpoint_without_a_recorded_global_batch_derives_it() -> None:
+    from job.elastic import LEGACY_SCHEME, resumed_plan
+    from job.exceptions import ConfigError
+    from tests.support.jobs import train_config
+
+    old = {"batch_size": 32, "grad_accum": 2, "world_size": 2}  # what manifests held before
+    plan = resumed_plan(old, train_config(batch_size=32, grad_accum=2), world=4)
+    assert (plan.global_batch, plan.per_rank, plan.micro_batch, plan.grad_accum, plan.scheme) == (64, 16, 16, 1, LEGACY_SCHEME)
+    with pytest.raises(ConfigError, match="global batch of 64 samples does not divide among 3 ranks.*1, 2, 4, 8, 16, 32, 64"):
+        resumed_plan(old, train_config(batch_size=32, grad_accum=2), world=3)
+
+
+def test_train_metrics_of_the_old_ranks_are_merged_into_new_rank_0() -> None:
+    from torchmetrics.classification import MulticlassAccuracy
+
+    from job.elastic import merge_metrics
+    from state.metrics import metric_state
+
+    torch.manual_seed(0)
+    parts = [(torch.randn(50, 3), torch.randint(0, 3, (50,))) for _ in range(3)]
+    everything = MulticlassAccuracy(num_classes=3, average="micro")
+    ranks = [MulticlassAccuracy(num_classes=3, average="micro") for _ in parts]
+    for metric, (preds, target) in zip(ranks, parts):
+        metric.update(preds, target)
+        everything.update(preds, target)
+    merge_metrics({"accuracy": ranks[0]}, [{"accuracy": metric_state(m)} for m in ranks[1:]])
+    assert torch.equal(ranks[0].compute(), everything.compute()) and ranks[0]._update_count == 3
+
+
+def test_a_new_rank_s_rng_is_derived_from_seed_rank_and_step() -> None:
+    from job.elastic import derived_rng
+    from state.rng import capture_rng
+
+    before = torch.get_rng_state()
+    a, b, c = derived_rng(5, 3, 100), derived_rng(5, 3, 100), derived_rng(5, 4, 100)
+    assert torch.equal(torch.get_rng_state(), before)  # the current streams are left alone
+    assert torch.equal(a["torch"], b["torch"]) and not torch.equal(a["torch"], c["torch"])
+    assert set(a) == set(capture_rng())
