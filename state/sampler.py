@@ -27,6 +27,20 @@ def epoch_seed(seed: int, epoch: int) -> int:
     return _splitmix64(_splitmix64(seed & _MASK64) ^ epoch)
 
 
+def epoch_order(num_samples: int, seed: int, epoch: int, shuffle: bool = True) -> torch.Tensor:
+    """One epoch's order of the dataset's indices, from a private generator (the global RNG is untouched)."""
+    if not shuffle:
+        return torch.arange(num_samples)
+    return torch.randperm(num_samples, generator=torch.Generator().manual_seed(epoch_seed(seed, epoch)))
+
+
+def wrapped(order: torch.Tensor, size: int) -> torch.Tensor:
+    """``order`` padded to ``size`` by wrapping around (as DistributedSampler pads), or as it is."""
+    if size <= len(order):
+        return order
+    return order.repeat(-(-size // len(order)))[:size]
+
+
 class ResumableBatchSampler:
     """Yields lists of dataset indices for ``DataLoader(batch_sampler=...)``.
 
@@ -83,15 +97,8 @@ class ResumableBatchSampler:
         self.start_batch = start_batch
 
     def _rank_indices(self) -> torch.Tensor:
-        if self.shuffle:
-            generator = torch.Generator().manual_seed(epoch_seed(self.seed, self.epoch))
-            order = torch.randperm(self.num_samples, generator=generator)
-        else:
-            order = torch.arange(self.num_samples)
-        padded_size = self._samples_per_rank * self.num_replicas
-        if padded_size > self.num_samples:
-            repeats = -(-padded_size // self.num_samples)
-            order = order.repeat(repeats)[:padded_size]
+        order = wrapped(epoch_order(self.num_samples, self.seed, self.epoch, self.shuffle),
+                        self._samples_per_rank * self.num_replicas)
         return order[self.rank :: self.num_replicas]
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -174,14 +181,9 @@ class GlobalBatchSampler:
         self.epoch, self.start_batch = epoch, start_batch
 
     def _order(self) -> torch.Tensor:
-        if self.shuffle:
-            generator = torch.Generator().manual_seed(epoch_seed(self.seed, self.epoch))
-            order = torch.randperm(self.num_samples, generator=generator)
-        else:
-            order = torch.arange(self.num_samples)
-        padded = -(-self.num_samples // self.num_replicas) * self.num_replicas
-        if self.wrap_pad and padded > self.num_samples:
-            order = order.repeat(-(-padded // self.num_samples))[:padded]
+        order = epoch_order(self.num_samples, self.seed, self.epoch, self.shuffle)
+        if self.wrap_pad:
+            return wrapped(order, -(-self.num_samples // self.num_replicas) * self.num_replicas)
         return order
 
     def __iter__(self) -> Iterator[list[int]]:
