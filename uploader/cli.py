@@ -51,7 +51,7 @@ from uploader.exceptions import (
 from uploader.local import list_committed, nearest_existing
 from uploader.redact import redact_text
 from uploader.remote import Remote, open_remote
-from uploader.sync import list_remote, pull_newest, push_all
+from uploader.sync import list_remote, list_set_aside, pull_newest, push_all
 from uploader.watch import watch as watch_loop
 
 logger = logging.getLogger(__name__)
@@ -277,8 +277,12 @@ def pull(config: UploadConfig, remote_url: str, local: Path) -> None:
 @click.argument("remote_url", metavar="REMOTE")
 @click.pass_obj
 def ls(config: UploadConfig, remote_url: str) -> None:
-    """List REMOTE's checkpoints: step, size, time, complete or not."""
-    print_checkpoints(list_remote(_open(remote_url, config)))
+    """List REMOTE's checkpoints: step, size, time, complete or not (and, on stderr, the ones set aside)."""
+    remote = _open(remote_url, config)
+    print_checkpoints(list_remote(remote))
+    for name in list_set_aside(remote):
+        logger.warning("%s/%s/ was set aside after failing verification (kept for inspection, never used)",
+                       remote.url, name)
 
 
 if __name__ == "__main__":

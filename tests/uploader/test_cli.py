@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.checkpoints import data_files_of, make_checkpoint
+from tests.support.checkpoints import corrupt_file, data_files_of, make_checkpoint
 from tests.support.s3server import ADMIN, Bucket, isolated_aws_env
 from tests.support.uploader_cli import cli_env, run_cli
 
@@ -31,6 +31,23 @@ def test_sync_ls_pull_round_trip(s3_bucket: Bucket, tmp_path: Path) -> None:
     assert pull.returncode == 0, pull.stderr
     assert pull.stdout.strip() == str(tmp_path / "restore" / ckpts[-1].name)
     assert data_files_of(Path(pull.stdout.strip())) == data_files_of(ckpts[-1].path)
+
+
+def test_pull_sets_a_corrupt_checkpoint_aside_and_ls_names_it(tmp_path: Path) -> None:
+    remote_dir = tmp_path / "remote"
+    url, env = f"file://{remote_dir}", isolated_aws_env(ADMIN)
+    for step in (10, 20):
+        make_checkpoint(tmp_path / "local", step)
+    assert run_cli(["sync", str(tmp_path / "local"), url], env).returncode == 0
+    corrupt_file(remote_dir / "step-000000000020" / "state.pt")
+
+    pull = run_cli(["pull", url, str(tmp_path / "restore")], env)
+    ls = run_cli(["ls", url], env)
+
+    assert pull.returncode == 0 and pull.stdout.strip().endswith("step-000000000010"), pull.stderr
+    assert [json.loads(line)["step"] for line in ls.stdout.splitlines()] == [10]
+    (aside,) = [p.name for p in remote_dir.iterdir() if p.name.startswith("corrupt-")]
+    assert aside.startswith("corrupt-step-000000000020-") and f"{url}/{aside}/ was set aside" in ls.stderr
 
 
 def test_pull_with_no_checkpoint_exits_6_with_one_line(tmp_path: Path) -> None:
