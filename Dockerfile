@@ -1,6 +1,7 @@
 # spot-trainer: one image for the training job (`job train`) and the uploader sidecar (`uploader watch`).
 # Build: docker build -t spot-trainer .
-# The base carries CUDA, cuDNN and a CUDA build of torch; pip keeps that torch (the project asks for torch>=2.1).
+# The base carries CUDA, cuDNN and a CUDA build of torch; pip keeps that torch (the project asks for torch>=2.6,
+# where weights_only=True loading is safe: CVE-2025-32434).
 ARG BASE_IMAGE=pytorch/pytorch:2.7.0-cuda12.8-cudnn9-runtime
 
 FROM ${BASE_IMAGE} AS build
