@@ -2,6 +2,8 @@
 
     <root>/step-000000000120/<files...>        data, uploaded first
     <root>/step-000000000120/manifest.json     uploaded last: its presence makes the checkpoint complete
+    <root>/step-000000000120/nodes/node-00001-of-00002.json
+                                               multi-node only: one node's part, written last by that node
     <root>/latest                              {"name": ..., "step": ...}, a hint for humans and tools
 
 Readers never trust ``latest``: it may be stale or name a pruned checkpoint. They list the root and
@@ -11,11 +13,14 @@ so that a key listing sorts like steps.
 from __future__ import annotations
 
 import json
+import re
 
 from uploader.local import checkpoint_name, parse_step
 from uploader.manifest import MANIFEST_NAME
 
 LATEST_KEY = "latest"
+NODES_DIR = "nodes"
+_NODE_RE = re.compile(r"node-([0-9]{5})-of-([0-9]{5})\.json", re.ASCII)
 
 
 def data_key(name: str, relpath: str) -> str:
@@ -37,3 +42,15 @@ def checkpoint_of(key: str) -> tuple[str, int, str] | None:
 
 def latest_document(step: int) -> bytes:
     return json.dumps({"name": checkpoint_name(step), "step": step}).encode()
+
+
+def node_key(name: str, node: int, nodes: int) -> str:
+    """Where node ``node`` of ``nodes`` puts its part's manifest (uploader.sync, "Multi-node")."""
+    return f"{name}/{NODES_DIR}/node-{node:05d}-of-{nodes:05d}.json"
+
+
+def parse_node_key(name: str, key: str) -> tuple[int, int] | None:
+    """(node, nodes) of a key made by :func:`node_key` for checkpoint ``name``, None for any other key."""
+    prefix = f"{name}/{NODES_DIR}/"
+    m = _NODE_RE.fullmatch(key[len(prefix):]) if key.startswith(prefix) else None
+    return (int(m.group(1)), int(m.group(2))) if m else None

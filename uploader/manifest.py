@@ -48,6 +48,8 @@ MAX_BLOCK_SIZE = 64 * 1024 * 1024
 MAX_FILE_SIZE = 2**50  # 1 PiB: any real file; keeps sizes far from float and int64 trouble
 MAX_STEP = 10**12 - 1  # step folder names have 12 digits
 MAX_PATH_CHARS = 1024
+MAX_NODES = 100_000
+_SAVE_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}", re.ASCII)  # one save's parts, across nodes
 # The payload the job loads (job.checkpoint.STATE_FILE, job.sharded.shard_name): a checkpoint without
 # it cannot be resumed, so it is refused here, with the other damage, and the previous one is used.
 STATE_FILE = "state.pt"
@@ -273,6 +275,24 @@ def _block_size(value: Any, version: int) -> int | None:
     return value
 
 
+def node_part(manifest: Manifest) -> tuple[int, int] | None:
+    """(node, nodes) of one node's part of a multi-node checkpoint (its ``meta.node`` and ``meta.nodes``;
+    uploader.sync commits the whole once every part is uploaded), None for a whole checkpoint.
+    ManifestError when the fields are malformed."""
+    if "node" not in manifest.meta:
+        return None
+    node, nodes = manifest.meta.get("node"), manifest.meta.get("nodes")
+    for value in (node, nodes):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ManifestError(f"manifest's meta.node/meta.nodes are not integers: {_short(node)}/{_short(nodes)}")
+    if not 0 <= node < nodes <= MAX_NODES:
+        raise ManifestError(f"manifest's meta.node {node} is not one of {nodes} nodes (at most {MAX_NODES})")
+    save_id = manifest.meta.get("save_id")
+    if not isinstance(save_id, str) or not _SAVE_ID_RE.fullmatch(save_id):
+        raise ManifestError(f"manifest of a node's part has no valid meta.save_id: {_short(save_id)}")
+    return node, nodes
+
+
 def _check_layout(manifest: Manifest) -> None:
     """Files that can all exist in one folder, and the payload the job loads."""
     paths = [f.path for f in manifest.files]
@@ -285,6 +305,8 @@ def _check_layout(manifest: Manifest) -> None:
     sharded = manifest.meta.get("sharded", False)
     if not isinstance(sharded, bool):
         raise ManifestError(f"manifest's meta.sharded is not true or false: {_short(sharded)}")
+    if node_part(manifest) is not None:
+        return  # one node's part of a multi-node checkpoint: the payload is checked on the whole
     if not sharded:
         if STATE_FILE not in paths:
             raise ManifestError(f"manifest does not list {STATE_FILE}, the state the job loads")

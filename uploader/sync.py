@@ -21,6 +21,16 @@ failed a reader's verification and could not be set aside) is neither counted no
 never push good work out. Incomplete leftovers older than the one just uploaded (uploads that died)
 are deleted too; newer ones are kept because a resumed upload continues them.
 
+Multi-node (no shared volume): each node commits its own part of a checkpoint locally, with
+``meta.node``, ``meta.nodes`` and the save's ``meta.save_id`` in its manifest, and uploads it from
+that node (its in-process uploader or its own sidecar): its data files first, then its part's
+manifest at ``<name>/nodes/node-K-of-N.json``, last. Then it lists the parts; the node that sees all
+N of one save (at least the last one to finish does: S3 lists what was written before) verifies
+that every file is there with its size and writes the whole checkpoint's ``manifest.json``, whose
+bytes depend on the parts alone, so two nodes committing at once write the same object. A node
+killed before its part's manifest, or during the commit, leaves the checkpoint incomplete, never
+used. The sidecars never talk to each other. Only node 0 applies retention, after the commit.
+
 Set aside: a complete remote checkpoint whose files fail verification on a pull (or whose manifest
 is invalid) is moved to ``corrupt-<name>-<time>/`` (copied, then the manifest and data deleted),
 where listing, pulls and retention never look: kept for inspection, never chosen again. That needs
@@ -29,6 +39,7 @@ read again, and a checkpoint whose manifest changed meanwhile (a re-save) is lef
 """
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import threading
@@ -37,9 +48,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from uploader.exceptions import CorruptCheckpoint, ManifestError, StorageError, UnsupportedFormat
-from uploader.layout import LATEST_KEY, checkpoint_of, data_key, latest_document, manifest_key
+from uploader.layout import (
+    LATEST_KEY,
+    NODES_DIR,
+    checkpoint_of,
+    data_key,
+    latest_document,
+    manifest_key,
+    node_key,
+    parse_node_key,
+)
 from uploader.local import CORRUPT_PREFIX, LocalCheckpoint, checkpoint_name, commit, list_committed, set_aside, staging_dir
-from uploader.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, open_regular
+from uploader.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, node_part, open_regular
 from uploader.progress import Progress
 from uploader.remote import ObjectInfo, Remote
 
@@ -87,7 +107,8 @@ def push(ckpt: LocalCheckpoint, remote: Remote, keep: int, *, abort: threading.E
     """
     _check_keep(keep)
     _upload(ckpt, remote, abort)
-    _after_commit(remote, keep, ckpt.step)
+    if _retention_owner(ckpt):
+        _after_commit(remote, keep, ckpt.step)
 
 
 def push_all(folder: Path, remote: Remote, keep: int, *, abort: threading.Event | None = None) -> list[int]:
@@ -110,7 +131,8 @@ def push_all(folder: Path, remote: Remote, keep: int, *, abort: threading.Event 
                 set_aside_local(ckpt, e)
                 failed += 1
                 continue
-            anchor = ckpt.step if anchor is None else max(anchor, ckpt.step)
+            if _retention_owner(ckpt):
+                anchor = ckpt.step if anchor is None else max(anchor, ckpt.step)
         if anchor is not None or not failed:
             break
     if anchor is not None:
@@ -168,24 +190,26 @@ def _check_keep(keep: int) -> None:
 
 
 def _upload(ckpt: LocalCheckpoint, remote: Remote, abort: threading.Event | None) -> bool:
-    """Data, then manifest. False if the remote already had this exact checkpoint complete."""
-    try:
-        with open_regular(ckpt.path / MANIFEST_NAME) as f:
-            raw = f.read(MAX_MANIFEST_BYTES + 1)
-    except OSError as e:
-        raise CorruptCheckpoint(f"{ckpt.path}: cannot read its manifest ({e.strerror or e})") from None
-    manifest = Manifest.from_json(raw)
-    if manifest.step != ckpt.step:
-        raise CorruptCheckpoint(f"{ckpt.path}: its manifest is for step {manifest.step}")
-    existing_raw = remote.read_bytes(manifest_key(ckpt.name), limit=MAX_MANIFEST_BYTES)
+    """Data, then the manifest (a node's part: its part manifest, then the commit if all parts are
+    there). False if the remote already had this exact checkpoint (or part)."""
+    raw, manifest = _local_manifest(ckpt)
+    part = node_part(manifest)
+    marker = manifest_key(ckpt.name) if part is None else node_key(ckpt.name, *part)
+    existing_raw = remote.read_bytes(marker, limit=MAX_MANIFEST_BYTES)
     if existing_raw is not None:
         if _parse_or_none(existing_raw) == manifest:
-            logger.debug("%s is already complete on %s", ckpt.name, remote.url)
+            logger.debug("%s is already on %s", marker, remote.url)
+            if part is not None:  # the node that came last may have died before committing
+                _commit_parts(remote, ckpt.name, manifest)
             return False
         # A different save of the same step (e.g. a re-save after resume): make the remote one
         # incomplete before touching its files, so nobody pulls a mix of the two.
-        logger.info("replacing the different remote %s on %s", ckpt.name, remote.url)
-        remote.delete([manifest_key(ckpt.name)])
+        logger.info("replacing the different remote %s on %s", marker, remote.url)
+        remote.delete([manifest_key(ckpt.name)] + ([marker] if part is not None else []))
+    elif part is not None:
+        whole = _parse_or_none(remote.read_bytes(manifest_key(ckpt.name), limit=MAX_MANIFEST_BYTES) or b"")
+        if whole is not None and whole.meta.get("save_id") != manifest.meta.get("save_id"):
+            remote.delete([manifest_key(ckpt.name)])  # another save's commit: never a mix of two saves
     progress = Progress(f"upload {ckpt.name}", manifest.total_size)
     skipped = 0
     for entry in manifest.files:
@@ -197,11 +221,85 @@ def _upload(ckpt: LocalCheckpoint, remote: Remote, abort: threading.Event | None
             continue
         remote.put_file(key, ckpt.path / entry.path, size=entry.size, sha256=entry.sha256,
                         block_size=entry.block_size, on_bytes=progress.add, abort=abort)
-    remote.write_bytes(manifest_key(ckpt.name), raw)
+    remote.write_bytes(marker, raw)
     progress.close()
-    logger.info("uploaded %s to %s (%d files, %d bytes%s)", ckpt.name, remote.url, len(manifest.files),
-                manifest.total_size, f", {skipped} already there" if skipped else "")
+    logger.info("uploaded %s to %s (%d files, %d bytes%s)", marker if part else ckpt.name, remote.url,
+                len(manifest.files), manifest.total_size, f", {skipped} already there" if skipped else "")
+    if part is not None:
+        _commit_parts(remote, ckpt.name, manifest)
     return True
+
+
+def _local_manifest(ckpt: LocalCheckpoint) -> tuple[bytes, Manifest]:
+    try:
+        with open_regular(ckpt.path / MANIFEST_NAME) as f:
+            raw = f.read(MAX_MANIFEST_BYTES + 1)
+    except OSError as e:
+        raise CorruptCheckpoint(f"{ckpt.path}: cannot read its manifest ({e.strerror or e})") from None
+    manifest = Manifest.from_json(raw)
+    if manifest.step != ckpt.step:
+        raise CorruptCheckpoint(f"{ckpt.path}: its manifest is for step {manifest.step}")
+    return raw, manifest
+
+
+def _retention_owner(ckpt: LocalCheckpoint) -> bool:
+    """Only one actor deletes remote checkpoints: a single-node job's uploader, or node 0's."""
+    part = node_part(_local_manifest(ckpt)[1])
+    return part is None or part[0] == 0
+
+
+def _commit_parts(remote: Remote, name: str, mine: Manifest) -> bool:
+    """Write the whole checkpoint's manifest once every node's part of this save is uploaded.
+
+    Each node, after its own part, lists the parts; whichever sees all of them (S3 lists what was
+    written before: at least the last node does) writes the whole manifest. Its bytes are a function
+    of the parts alone, so two nodes that both commit write the same object. Parts of another save
+    (another ``save_id``), malformed ones and files missing or of the wrong size keep it incomplete.
+    """
+    node_count = mine.meta["nodes"]
+    parts: dict[int, Manifest] = {}
+    for obj in remote.list(f"{name}/{NODES_DIR}/"):
+        parsed = parse_node_key(name, obj.key)
+        if parsed is None or parsed[1] != node_count:
+            continue
+        part = _parse_or_none(remote.read_bytes(obj.key, limit=MAX_MANIFEST_BYTES) or b"")
+        if part is not None and node_part(part) == parsed and part.step == mine.step \
+                and part.meta.get("save_id") == mine.meta.get("save_id"):
+            parts[parsed[0]] = part
+    if len(parts) < node_count:
+        logger.info("%s on %s: %d of %d nodes' parts uploaded; the node that comes last commits it",
+                    name, remote.url, len(parts), node_count)
+        return False
+    files = [f for node in sorted(parts) for f in parts[node].files]
+    sizes = {o.key: o.size for o in remote.list(f"{name}/")}
+    missing = [f.path for f in files if sizes.get(data_key(name, f.path)) != f.size]
+    first = parts[0]
+    try:
+        if missing:
+            raise ManifestError(f"{missing[0]} is missing or of another size")
+        whole = Manifest(step=mine.step, files=tuple(sorted(files, key=lambda f: f.path)), timer=first.timer,
+                         meta={k: v for k, v in first.meta.items() if k != "node"},
+                         created=max(p.created for p in parts.values()), format_version=first.format_version)
+        raw = whole.to_json()
+        Manifest.from_json(raw)  # the whole must be a checkpoint the job can load (payload, layout)
+    except ManifestError as e:
+        logger.warning("not committing %s on %s: its parts do not make a checkpoint (%s)", name, remote.url, e)
+        return False
+    if remote.read_bytes(manifest_key(name), limit=MAX_MANIFEST_BYTES) != raw:
+        remote.write_bytes(manifest_key(name), raw)
+        logger.info("committed %s on %s: all %d nodes' parts are uploaded", name, remote.url, node_count)
+    latest = _parse_latest(remote.read_bytes(LATEST_KEY, limit=4096))
+    if latest is None or latest < mine.step:
+        remote.write_bytes(LATEST_KEY, latest_document(mine.step))
+    return True
+
+
+def _parse_latest(raw: bytes | None) -> int | None:
+    try:
+        step = json.loads(raw or b"")["step"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 def _after_commit(remote: Remote, keep: int, newest: int) -> None:
@@ -211,7 +309,7 @@ def _after_commit(remote: Remote, keep: int, newest: int) -> None:
     summaries = [_summarize(name, objects) for name, objects in scan.items()]
     complete = [c for c in summaries if c.complete and c.step <= newest]
     if not complete or complete[-1].step != newest:
-        logger.warning("retention skipped: %s is not complete on %s", checkpoint_name(newest), remote.url)
+        logger.info("retention waits: %s is not complete on %s", checkpoint_name(newest), remote.url)
         return
     remote.write_bytes(LATEST_KEY, latest_document(newest))
     ignored = [c.name for c in summaries if c.complete and c.step > newest]

@@ -26,7 +26,7 @@ WITH_LARGE_FILE: Mapping[str, int] = {**SMALL_FILES, "big.bin": 11 * 1024 * 1024
 
 def make_checkpoint(
     folder: Path, step: int, files: Mapping[str, int] = SMALL_FILES, *, seed: int | None = None,
-    block_size: int | None = BLOCK_SIZE, format_version: int = FORMAT_VERSION,
+    block_size: int | None = BLOCK_SIZE, format_version: int = FORMAT_VERSION, meta: Mapping[str, object] | None = None,
 ) -> LocalCheckpoint:
     """Write ``files`` (relative path -> size) with random (incompressible) bytes into a staging folder
     and commit it. Any size works: the bytes are drawn and hashed a chunk at a time.
@@ -47,7 +47,8 @@ def make_checkpoint(
             f.flush()
             os.fsync(f.fileno())
         entries.append(FileEntry(path=relpath, size=size, sha256=digest.hexdigest(), block_size=block_size))
-    manifest = Manifest(step=step, files=tuple(entries), timer={"epoch": 0, "batch": step}, format_version=format_version)
+    manifest = Manifest(step=step, files=tuple(entries), timer={"epoch": 0, "batch": step}, format_version=format_version,
+                        meta=dict(meta or {}))
     return commit(staging, manifest)
 
 

@@ -1,0 +1,140 @@
+"""Issue 18, points 2 and 5: a checkpoint written by several nodes, each with its own disk, is committed
+in the bucket only once every node's part is uploaded; no reader ever takes a partial one as complete,
+and only node 0 deletes. Each node is a separate local folder pushed by its own uploader, as a node's
+sidecar or in-process thread would, on a folder (file://) and on SeaweedFS.
+"""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from tests.support.checkpoints import complete_steps, data_files_of, make_checkpoint
+from tests.support.recording import RecordingRemote
+from uploader.layout import manifest_key, node_key
+from uploader.local import LocalCheckpoint, checkpoint_name
+from uploader.exceptions import ManifestError
+from uploader.manifest import Manifest
+from uploader.remote import Remote
+from uploader.sync import list_remote, pull_newest, push
+
+NODES = 2
+# Node 0 holds the replicated state, node 1 only its ranks' files (as a sharded save spreads them).
+FILES = {0: {"state.pt": 150_000, "rank-0.bin": 20_000}, 1: {"rank-1.bin": 30_000, "rank-1b.bin": 0}}
+
+
+class Killed(Exception):
+    """The node died here."""
+
+
+class DiesBeforeItsPart(RecordingRemote):
+    """Uploads a node's data files, then the node dies before its part's manifest is written."""
+
+    def write_bytes(self, key: str, data: bytes) -> None:
+        if "/nodes/" in key:
+            raise Killed(key)
+        super().write_bytes(key, data)
+
+
+def part(tmp_path: Path, node: int, step: int, save_id: str | None = None) -> LocalCheckpoint:
+    """Node ``node``'s local part of the checkpoint of ``step`` (its own --save-folder)."""
+    meta = {"node": node, "nodes": NODES, "save_id": save_id or f"save-{step}", "model": "mlp"}
+    return make_checkpoint(tmp_path / f"node{node}", step, FILES[node], seed=step * 10 + node, meta=meta)
+
+
+def test_the_checkpoint_is_complete_only_once_every_node_has_uploaded(remote: Remote, tmp_path: Path) -> None:
+    push(part(tmp_path, 0, 10), remote, keep=3)
+    assert complete_steps(remote) == []  # node 1 has not uploaded: incomplete, never pulled
+    assert pull_newest(remote, tmp_path / "reader") is None
+
+    push(part(tmp_path, 1, 10), remote, keep=3)
+
+    assert complete_steps(remote) == [10]
+    pulled = pull_newest(remote, tmp_path / "new-node")
+    assert pulled is not None
+    expected = {**data_files_of(tmp_path / "node0" / checkpoint_name(10)),
+                **data_files_of(tmp_path / "node1" / checkpoint_name(10))}
+    assert data_files_of(pulled.path) == expected
+    whole = pulled.manifest()
+    assert "node" not in whole.meta and whole.meta["nodes"] == NODES and whole.meta["model"] == "mlp"
+
+
+def test_either_node_may_come_last_and_both_at_once_commit_the_same_bytes(remote: Remote, tmp_path: Path) -> None:
+    push(part(tmp_path, 1, 10), remote, keep=3)
+    push(part(tmp_path, 0, 10), remote, keep=3)
+    first = remote.read_bytes(manifest_key(checkpoint_name(10)))
+
+    parts = [part(tmp_path, node, 20) for node in range(NODES)]
+    threads = [threading.Thread(target=push, args=(p, remote, 3)) for p in parts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+    assert first is not None and complete_steps(remote) == [10, 20]
+    committed = remote.read_bytes(manifest_key(checkpoint_name(20)))
+    push(parts[1], remote, keep=3)  # a retry of an upload already done commits nothing new
+    assert committed is not None and remote.read_bytes(manifest_key(checkpoint_name(20))) == committed
+
+
+def test_a_node_killed_while_uploading_leaves_that_step_incomplete(remote: Remote, tmp_path: Path) -> None:
+    for node in range(NODES):
+        push(part(tmp_path, node, 10), remote, keep=3)
+    push(part(tmp_path, 0, 20), remote, keep=3)
+    dying = DiesBeforeItsPart(remote)
+    with pytest.raises(Killed):
+        push(part(tmp_path, 1, 20), dying, keep=3)
+    assert dying.ops("put_file")  # its data went up; its part's manifest did not
+
+    assert complete_steps(remote) == [10]
+    pulled = pull_newest(remote, tmp_path / "reader")
+    assert pulled is not None and pulled.step == 10
+
+
+def test_parts_of_two_saves_of_one_step_are_never_mixed(remote: Remote, tmp_path: Path) -> None:
+    """A re-save of step 20 after a resume: node 0's new part beside node 1's old one is not a checkpoint."""
+    for node in range(NODES):
+        push(part(tmp_path, node, 20, save_id="first"), remote, keep=3)
+    assert complete_steps(remote) == [20]
+    (tmp_path / "node0").rename(tmp_path / "node0-old")
+    push(part(tmp_path, 0, 20, save_id="second"), remote, keep=3)
+
+    assert complete_steps(remote) == []  # the first save's commit is withdrawn before anything is replaced
+    (tmp_path / "node1").rename(tmp_path / "node1-old")
+    push(part(tmp_path, 1, 20, save_id="second"), remote, keep=3)
+    assert complete_steps(remote) == [20]
+    assert Manifest.from_json(remote.read_bytes(manifest_key(checkpoint_name(20))) or b"").meta["save_id"] == "second"
+
+
+def test_a_malformed_part_keeps_the_checkpoint_incomplete(remote: Remote, tmp_path: Path) -> None:
+    push(part(tmp_path, 0, 10), remote, keep=3)
+    remote.write_bytes(node_key(checkpoint_name(10), 1, NODES), b'{"format_version": 2, "step": "ten"}')
+    push(part(tmp_path, 0, 10), remote, keep=3)
+    assert complete_steps(remote) == []
+
+
+def test_only_node_0_deletes_and_only_after_a_newer_checkpoint_is_complete(remote: Remote, tmp_path: Path) -> None:
+    for step in (10, 20):
+        for node in range(NODES):
+            push(part(tmp_path, node, step), remote, keep=1)
+    # Node 0 pushed 20 before node 1 completed it: 10 stayed until node 0's next look, then went.
+    assert complete_steps(remote) == [10, 20]
+    push(part(tmp_path, 0, 20), remote, keep=1)
+    assert complete_steps(remote) == [20]
+
+    push(part(tmp_path, 0, 30), remote, keep=1)  # node 0 first: 30 incomplete, nothing deleted
+    assert complete_steps(remote) == [20]
+    push(part(tmp_path, 1, 30), remote, keep=1)  # node 1 commits 30 but never deletes
+    assert complete_steps(remote) == [20, 30]
+    push(part(tmp_path, 0, 30), remote, keep=1)  # node 0's next look: now 20 may go
+    assert complete_steps(remote) == [30]
+    assert {c.step for c in list_remote(remote)} == {30}
+
+
+@pytest.mark.parametrize("meta", [{"node": 1, "nodes": 2}, {"node": 2, "nodes": 2, "save_id": "s"},
+                                  {"node": "0", "nodes": 2, "save_id": "s"}, {"node": 0, "nodes": 2, "save_id": "a/b"}])
+def test_a_part_s_node_fields_are_validated(tmp_path: Path, meta: dict) -> None:
+    doc = part(tmp_path, 0, 10).manifest()
+    with pytest.raises(ManifestError, match="meta"):
+        Manifest.from_json(Manifest(step=10, files=doc.files, meta=meta).to_json())
