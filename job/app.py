@@ -224,7 +224,8 @@ def resume(state: State, cfg: CheckpointConfig, checkpointer: Checkpointer, meta
     handed over by job.elastic (on another number of ranks too). Returns the checkpoint's manifest
     meta, from which the caller plans the global batch; None when there is nothing to resume.
 
-    A sharded checkpoint is not read by rank 0: each rank reads its own shard from the chosen folder.
+    In a sharded run every rank reads its part of the chosen checkpoint itself (DCP reshards it to this
+    run's ranks); otherwise rank 0 reads the whole state (a sharded checkpoint reassembled) and broadcasts it.
     """
     loaded: tuple[str, Any, str, dict[str, Any], int] | None = None
     if distributed.rank() == 0:
@@ -232,22 +233,18 @@ def resume(state: State, cfg: CheckpointConfig, checkpointer: Checkpointer, meta
         if chosen is not None:
             folder, manifest, source = chosen
             check_settings(manifest, meta)
-            if bool(manifest.meta.get("sharded")) != (mesh is not None):
-                raise CheckpointLoadError(
-                    f"checkpoint {source} was written {'with' if manifest.meta.get('sharded') else 'without'} "
-                    f"--sharded; resume it the same way, or start a new run in another --save-folder/--remote")
-            loaded = ("sharded", str(folder), source) if mesh is not None else ("full", load_state_file(folder), source)
+            # Sharded run: every rank reads its part from the folder, resharded by DCP (job.sharded). Otherwise
+            # rank 0 reads the whole state (a sharded checkpoint reassembled) and broadcasts it.
+            loaded = (("sharded", (str(folder), manifest), source) if mesh is not None
+                      else ("full", load_state_file(folder, manifest), source))
             loaded = (*loaded, manifest.meta, manifest.step)
     loaded = distributed.broadcast_choice(loaded)
     if loaded is None:
         return None
     kind, payload, source, ckpt_meta, step = loaded
-    if kind == "sharded":
-        assert mesh is not None
-        handover = elastic.Handover(load_shard(Path(payload), mesh), [])
-    else:
-        handover = elastic.for_this_rank(payload, distributed.rank(), distributed.world_size(),
-                                         seed=state.rank_zero_seed, step=step)
+    tree = load_shard(Path(payload[0]), payload[1], state) if kind == "sharded" else payload
+    handover = elastic.for_this_rank(tree, distributed.rank(), distributed.world_size(),
+                                     seed=state.rank_zero_seed, step=step)
     restore(state, handover.tree, source)
     handover.finish(state.train_metrics)
     event(logger, "resumed", step=state.timer.batch.value, epoch=state.timer.epoch.value, source=source,

@@ -2,7 +2,9 @@
 
 Storage format and commit protocol live in ``uploader.local`` / ``uploader.manifest`` (torch-free, shared
 with the sidecar); this module adds what needs torch: serializing the State and loading it with
-``torch.load(weights_only=True)``, so nothing in a checkpoint is ever executed as code.
+``torch.load(weights_only=True)``, so nothing in a checkpoint is ever executed as code. Sharded
+checkpoints (``--sharded``) are written and read through job.sharded (torch.distributed.checkpoint
+over job.dcp_storage); this module hashes their files and commits them like any other.
 """
 from __future__ import annotations
 
@@ -10,8 +12,6 @@ import errno
 import hashlib
 import logging
 import os
-import pickle
-import re
 import shutil
 import threading
 import time
@@ -20,15 +20,16 @@ from typing import Any, Callable
 
 import torch
 
-from job import distributed, sharded
+from job import dcp_storage, distributed, sharded
 from job.exceptions import CheckpointLoadError, CheckpointWriteError
 from job.logs import event
+from job.safe_load import clip, load_weights_only
 from job.snapshot import HostSnapshot
 from state import State
 from uploader import local
 from uploader.exceptions import CorruptCheckpoint, ManifestError
-from uploader.hashing import HashingWriter
-from uploader.manifest import FileEntry, Manifest
+from uploader.hashing import BLOCK_SIZE, HashingWriter, file_digest
+from uploader.manifest import RANK_FILE_RE, REPLICATED_FILE, FileEntry, Manifest
 
 logger = logging.getLogger(__name__)
 
@@ -135,35 +136,54 @@ class Checkpointer:
         return ckpt
 
     def _write_sharded(self, state: State) -> local.LocalCheckpoint | None:
-        """Every rank writes its shard; rank 0 commits the manifest once all shards are on disk."""
+        """Every rank writes its shards (torch.distributed.checkpoint) and its own state; rank 0 the
+        replicated state and the metadata, then commits the manifest once every file is written and hashed.
+
+        Every rank enters each collective whatever failed before it locally, so that no rank waits for
+        another that gave up; a failure anywhere is a CheckpointWriteError on every rank.
+        """
         rank, world, step = distributed.rank(), distributed.world_size(), state.timer.batch.value
         staging = self.folder / f"{local.STAGING_PREFIX}{local.checkpoint_name(step)}-sharded"
         if rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir(parents=True)
         distributed.barrier()
-        name = sharded.shard_name(rank, world)
-        result: tuple[str, int, str, int | None] | tuple[str, str]
+        tree = state.state_dict()
+        entries: list[FileEntry] = []
+        error: str | None = None
         try:
-            with open(staging / name, "wb") as raw:
-                writer = HashingWriter(raw)
-                _save(sharded.encode(state.state_dict()), writer)
-                raw.flush()
-                os.fsync(raw.fileno())
-            result = (name, writer.size, writer.hexdigest(), writer.block_size)
+            entries.append(_write_file(staging / sharded.rank_file(rank, world),
+                                       {k: tree[k] for k in distributed.PER_RANK_KEYS if k in tree}))
+            if rank == 0:
+                replicated = {k: v for k, v in tree.items()
+                              if k not in (sharded.MODEL, sharded.OPTIMIZERS, *distributed.PER_RANK_KEYS)}
+                entries.append(_write_file(staging / REPLICATED_FILE, replicated))
         except OSError as e:
-            result = ("error", f"rank {rank}: {e.strerror or e}")
-        results = distributed.all_gather(result)
-        errors = [r[1] for r in results if r[0] == "error"]
+            error = f"rank {rank}: {e.strerror or e}"
+        try:
+            writer = sharded.save(state, staging)  # collective: raises on every rank if it fails on any
+            for name in writer.data_files():
+                size, digest = file_digest(staging / name, BLOCK_SIZE)
+                entries.append(FileEntry(name, size, digest, BLOCK_SIZE))
+            if writer.metadata_entry is not None:
+                entries.append(writer.metadata_entry)
+        except OSError as e:
+            error = error or f"rank {rank}: {e.strerror or e}"
+        except CheckpointWriteError:
+            if rank == 0:
+                shutil.rmtree(staging, ignore_errors=True)
+            raise
+        results = distributed.all_gather((entries, error))
+        errors = [e for _, e in results if e is not None]
         if errors:
             if rank == 0:
                 shutil.rmtree(staging, ignore_errors=True)
-            raise CheckpointWriteError(f"cannot write a sharded checkpoint to {self.folder}: {'; '.join(map(str, errors))}; "
+            raise CheckpointWriteError(f"cannot write a sharded checkpoint to {self.folder}: {'; '.join(errors)}; "
                                        "free disk space or fix permissions (the previous checkpoint is untouched)")
         if rank != 0:
             return None
-        manifest = Manifest(step=step, files=tuple(FileEntry(n, int(size), str(sha), block) for n, size, sha, block in results),
-                            timer=state.timer.state_dict(), meta={**self.meta, "sharded": True})
+        files = tuple(sorted((f for written, _ in results for f in written), key=lambda f: f.path))
+        manifest = Manifest(step=step, files=files, timer=state.timer.state_dict(), meta={**self.meta, "sharded": True})
         return self._commit(staging, manifest, time.perf_counter())
 
     def _reserved(self) -> None:
@@ -220,13 +240,7 @@ class Checkpointer:
         staging: Path | None = None
         try:
             staging = local.staging_dir(self.folder, step)
-            with open(staging / STATE_FILE, "wb") as raw:
-                writer = HashingWriter(raw)
-                _save(tree, writer)
-                raw.flush()
-                os.fsync(raw.fileno())
-            manifest = Manifest(step=step, files=(FileEntry(STATE_FILE, writer.size, writer.hexdigest(), writer.block_size),),
-                                timer=timer, meta=self.meta)
+            manifest = Manifest(step=step, files=(_write_file(staging / STATE_FILE, tree),), timer=timer, meta=self.meta)
             return self._commit(staging, manifest, started)
         except OSError as e:
             if staging is not None:
@@ -288,6 +302,16 @@ def _yield_cpu_to_training() -> None:
         logger.debug("cannot lower the checkpoint writer's priority", exc_info=True)
 
 
+def _write_file(path: Path, tree: Any) -> FileEntry:
+    """torch.save ``tree`` to ``path``, hashed while written, fsynced: its manifest entry."""
+    with open(path, "wb") as raw:
+        writer = HashingWriter(raw)
+        _save(tree, writer)
+        raw.flush()
+        os.fsync(raw.fileno())
+    return FileEntry(path.name, writer.size, writer.hexdigest(), writer.block_size)
+
+
 def _save(tree: Any, writer: HashingWriter) -> None:
     """torch.save into a hashing writer, surfacing the real I/O error (torch.save replaces it with a
     RuntimeError while closing its zip writer)."""
@@ -319,26 +343,29 @@ def open_checkpoint(path: Path) -> tuple[Path, Manifest]:
     return path, manifest
 
 
-def load_state_file(folder: Path) -> dict[str, Any]:
-    """Load a state file with ``weights_only=True``: tensors and plain containers only, never code."""
-    return _load(folder / STATE_FILE)
+def load_state_file(folder: Path, manifest: Manifest | None = None) -> dict[str, Any]:
+    """The whole state of a checkpoint in ``state.pt``'s layout, never executing code: ``state.pt``
+    loaded with ``weights_only=True``, or, when ``manifest`` says it is sharded, the shards reassembled
+    by torch.distributed.checkpoint (job.sharded) with every rank's own state under ``per_rank``."""
+    if manifest is None or not manifest.meta.get("sharded"):
+        return _load(folder / STATE_FILE)
+    metadata = dcp_storage.read_metadata(folder, manifest)
+    return {**_load(folder / REPLICATED_FILE), **sharded.full_tree(folder, metadata),
+            distributed.PER_RANK: per_rank_states(folder, manifest)}
+
+
+def per_rank_states(folder: Path, manifest: Manifest) -> list[dict[str, Any]]:
+    """Each rank's own state (``rng``, ``train_metrics``) of the run that wrote a sharded checkpoint, in
+    rank order: what job.elastic hands over to the ranks of this run."""
+    found = sorted((int(m.group(1)), m.string) for m in (RANK_FILE_RE.fullmatch(f.path) for f in manifest.files) if m)
+    return [{k: _load(folder / name).get(k) for k in distributed.PER_RANK_KEYS} for _, name in found]
 
 
 def _load(path: Path) -> dict[str, Any]:
     """``mmap=True``: tensors map the file's pages (already in the page cache after a write or a pull)
     instead of being read into fresh memory; load_state_dict then copies each once into the model.
     Committed files are never modified in place (only deleted), so the mapping stays valid."""
-    try:
-        loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except pickle.UnpicklingError as e:
-        raise CheckpointLoadError(
-            f"refusing to load {path}: it needs pickled code, which is never executed ({_unpickler_reason(e)}); "
-            "only checkpoints written by spot-trainer can be resumed"
-        ) from None
-    except FileNotFoundError:
-        raise CheckpointLoadError(f"{path} is missing") from None
-    except (RuntimeError, EOFError, ValueError) as e:
-        raise CheckpointLoadError(f"{path} is not a readable torch file ({str(e).splitlines()[0][:160]})") from None
+    loaded = load_weights_only(path, str(path), mmap=True)
     if not isinstance(loaded, dict):
         raise CheckpointLoadError(f"{path} does not hold a state dict")
     return loaded
@@ -357,26 +384,34 @@ def check_settings(manifest: Manifest, meta: dict[str, Any]) -> None:
                        "same order, so the result is close to, not bit for bit, an uninterrupted run", world, old_world)
 
 
-def load_shard(folder: Path, mesh: Any) -> dict[str, Any]:
-    """This rank's shard of a sharded checkpoint, its DTensors rebuilt on ``mesh`` (weights_only load)."""
-    path = folder / sharded.shard_name(distributed.rank(), distributed.world_size())
-    if not path.is_file():
-        raise CheckpointLoadError(
-            f"{path} not found: a sharded checkpoint resumes with the same number of ranks, and its folder "
-            "must be visible to every rank (one node, or a shared volume)")
-    return sharded.decode(_load(path), mesh)
+def load_shard(folder: Path, manifest: Manifest, state: State) -> dict[str, Any]:
+    """Collective, every rank of a sharded (FSDP2) run: load the checkpoint's model and optimizers into
+    ``state``, each rank its shards of them, whatever the number of ranks or whether the checkpoint is
+    sharded (DCP reshards; a ``state.pt``'s full tensors are split). Returns the checkpoint's state dict
+    for State.load_state_dict, with ``per_rank`` for job.elastic; its model and optimizers stand for the
+    ones just loaded. The folder must be visible to every rank.
 
-
-def _unpickler_reason(e: pickle.UnpicklingError) -> str:
-    """The one sentence of torch's refusal that names what the file wanted (``Unsupported global:
-    GLOBAL getattr ...``). The rest advises loading it without the weights-only guard, which this job never does."""
-    found = re.search(r"WeightsUnpickler error: (.+?)(?:\.\s|\.?$)", str(e), re.MULTILINE)
-    return _clip(found.group(1) if found else (str(e).strip().splitlines() or [type(e).__name__])[0], 160)
-
-
-def _clip(text: str, limit: int) -> str:
-    """``text`` cut to ``limit`` characters, with "..." when cut: error lines stay one readable line."""
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    A file one rank cannot use is a CheckpointLoadError on every rank, before any of them loads.
+    """
+    tree: dict[str, Any] | None = None
+    metadata = None
+    error: str | None = None
+    try:
+        if manifest.meta.get("sharded"):
+            metadata = dcp_storage.read_metadata(folder, manifest)
+            tree = {**_load(folder / REPLICATED_FILE), distributed.PER_RANK: per_rank_states(folder, manifest)}
+        else:
+            tree = _load(folder / STATE_FILE)
+    except CheckpointLoadError as e:
+        error = str(e)
+    errors = [e for e in distributed.all_gather(error) if e is not None]
+    if errors:
+        raise CheckpointLoadError(errors[0] if error is not None else
+                                  f"{errors[0]} (seen by another rank: the folder must be visible to every rank)")
+    assert tree is not None
+    if metadata is not None:
+        return {**tree, **sharded.load_resharded(state, folder, metadata)}
+    return sharded.load_full_state(state, tree, str(folder))
 
 
 def restore(state: State, tree: dict[str, Any], source: str) -> None:
@@ -386,7 +421,7 @@ def restore(state: State, tree: dict[str, Any], source: str) -> None:
     except (KeyError, RuntimeError, ValueError, TypeError) as e:
         # torch's first line only names the module ("Error(s) in loading state_dict for MLP:"); the
         # next one says what differs.
-        detail = _clip(" ".join([line.strip() for line in str(e).splitlines() if line.strip()][:2]), 300)
+        detail = clip(" ".join([line.strip() for line in str(e).splitlines() if line.strip()][:2]), 300)
         raise CheckpointLoadError(
             f"checkpoint {source} does not fit this model/optimizer ({detail}); resume it with the --model it "
             "was written with, or start a new run in another --save-folder/--remote") from None
@@ -407,9 +442,8 @@ def model_sha256(model_state: dict[str, Any]) -> str:
 
 def describe(folder: Path, manifest: Manifest) -> dict[str, Any]:
     """What ``job inspect`` prints: the position in training and a fingerprint of the weights."""
-    if manifest.meta.get("sharded"):
-        shards = [_load(folder / f.path) for f in sorted(manifest.files, key=lambda f: f.path)]
-        loaded = sharded.gather_full(shards)
+    if manifest.meta.get("sharded"):  # DCP reassembles the full tensors of any sharding
+        loaded = sharded.full_tree(folder, dcp_storage.read_metadata(folder, manifest), keys=[sharded.MODEL])
     else:
         loaded = load_state_file(folder)
     timer = manifest.timer

@@ -1,30 +1,49 @@
-"""Sharded checkpoints for models that do not fit one device (FSDP2, ``--sharded``).
+"""Sharded checkpoints for models that do not fit one device (FSDP2, ``--sharded``), on any number of ranks.
 
-Each rank writes its own shard (its local pieces of every DTensor, plus its own RNG and metric
-state) into one staging folder; rank 0 gathers every shard's size and sha256 and commits the
-manifest only when all shards are written. The shard files are plain ``torch.save`` trees of tensors
-and lists, loaded with ``weights_only=True``; a DTensor is stored as its local tensor plus its
-placements, global shape and stride, and rebuilt on the same mesh at load. This avoids
-torch.distributed.checkpoint, whose metadata file is unpickled as code.
+The model and the optimizers are saved and loaded by torch.distributed.checkpoint (DCP) with the state
+dicts of torch.distributed.checkpoint.state_dict (keys are parameter names, values DTensors): every
+rank writes its local shards, and a load reads into this run's DTensors whatever sharding they have,
+DCP's planner working out which stored chunks overlap which local shard. So a checkpoint written on W
+ranks resumes on W' ranks, an unsharded run's checkpoint resumes sharded (the full tensors are split
+by torch's set_state_dict), and a sharded one resumes unsharded or is reassembled for `job inspect`
+(DCP reading every chunk into full tensors, without a process group). The storage under DCP is
+job.dcp_storage: metadata as JSON, every read weights-only.
 
-The staging folder must be visible to every rank (one node, or a volume shared by the nodes).
-Resuming needs the same world size; then it is exact.
+What is not sharded stays out of DCP, in plain weights-only torch files: ``replicated.pt`` (written by
+rank 0: timer, schedulers, seed, computed metrics) and one ``rank-RRRRR-of-WWWWW.pt`` per rank (its RNG
+streams and metric accumulators, which job.elastic hands over on another number of ranks).
+
+The checkpoint's folder must be visible to every rank (one node, or a volume shared by the nodes).
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
-DTENSOR = "__dtensor__"
+from job import dcp_storage
+from job.exceptions import CheckpointLoadError
+from job.safe_load import first_line
+from state import State
+
+MODEL, OPTIMIZERS = "model", "optimizers"  # the State entries that DCP saves and reshards
 
 
-def shard_name(rank: int, world: int) -> str:
-    return f"shard-{rank:05d}-of-{world:05d}.pt"
+def rank_file(rank: int, world: int) -> str:
+    """The file of one rank's own state (uploader.manifest.RANK_FILE_RE)."""
+    return f"rank-{rank:05d}-of-{world:05d}.pt"
 
 
 def shard_model(model: torch.nn.Module, device: torch.device, world: int) -> DeviceMesh:
@@ -37,59 +56,118 @@ def shard_model(model: torch.nn.Module, device: torch.device, world: int) -> Dev
     return mesh
 
 
-def encode(tree: Any) -> Any:
-    """Replace every DTensor by its local shard and how to rebuild it (plain, weights_only-safe data)."""
-    if isinstance(tree, DTensor):
-        placements = [["shard", p.dim] if isinstance(p, Shard) else ["replicate"] for p in tree.placements]
-        return {DTENSOR: tree.to_local(), "placements": placements, "shape": list(tree.shape),
-                "stride": list(tree.stride())}
-    if isinstance(tree, dict):
-        return {k: encode(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(encode(v) for v in tree)
+def _optimizers(state: State) -> dict[str, torch.optim.Optimizer]:
+    return {type(opt).__qualname__: opt for opt in state.optimizers}
+
+
+def save(state: State, folder: Path) -> dcp_storage.JsonMetadataWriter:
+    """Collective: the model and optimizers of ``state`` into ``folder`` with DCP (each rank its shards).
+
+    An optimizer that has not stepped yet is saved as it is (its hyperparameters only): torch's
+    get_optimizer_state_dict would first take a zero step to create its state, and that step would count.
+    """
+    tree = {MODEL: get_model_state_dict(state.model),
+            OPTIMIZERS: {name: get_optimizer_state_dict(state.model, opt) if opt.state else opt.state_dict()
+                         for name, opt in _optimizers(state).items()}}
+    return dcp_storage.save(tree, folder)
+
+
+def _has_state(metadata: Metadata, name: str) -> bool:
+    """Whether the checkpoint holds optimizer ``name``'s per-parameter state (it had stepped)."""
+    prefix = (OPTIMIZERS, name, "state")
+    return any(tuple(path[:3]) == prefix for path in metadata.planner_data.values())
+
+
+def load_resharded(state: State, folder: Path, metadata: Metadata) -> dict[str, Any]:
+    """Collective: load a sharded checkpoint's model and optimizers into ``state`` on this run's ranks,
+    whatever their number and whether the model is sharded or not (DCP reshards).
+
+    Returns ``state``'s own model and optimizer state dicts as a State entry, to stand in for them when
+    State.load_state_dict restores the rest of the checkpoint.
+    """
+    targets: dict[str, Any] = {}
+    for name, opt in _optimizers(state).items():
+        # A target needs the optimizer's state to exist: get_optimizer_state_dict creates it (a zero step),
+        # which the load then overwrites; one saved before its first step loads its hyperparameters only.
+        targets[name] = get_optimizer_state_dict(state.model, opt) if _has_state(metadata, name) else opt.state_dict()
+    tree = dcp_storage.load({MODEL: get_model_state_dict(state.model), OPTIMIZERS: targets}, folder, metadata)
+    try:
+        set_model_state_dict(state.model, tree[MODEL])
+        for name, opt in _optimizers(state).items():
+            if _has_state(metadata, name):
+                set_optimizer_state_dict(state.model, opt, tree[OPTIMIZERS][name])
+            else:
+                opt.load_state_dict(tree[OPTIMIZERS][name])
+    except (KeyError, RuntimeError, ValueError, TypeError) as e:
+        raise _does_not_fit(folder, e) from None
+    return _live(state)
+
+
+def load_full_state(state: State, tree: dict[str, Any], source: str) -> dict[str, Any]:
+    """Every rank of a sharded run: a full state (an unsharded checkpoint's ``state.pt``, read by every
+    rank) into the sharded model and optimizers, each rank keeping its shard (torch's set_state_dict
+    with full_state_dict). Returns ``tree`` with the model and optimizers standing in as in
+    :func:`load_resharded`."""
+    full = StateDictOptions(full_state_dict=True)
+    saved = tree.get(OPTIMIZERS) or {}
+    try:
+        set_model_state_dict(state.model, tree[MODEL], options=full)
+        for name, opt in _optimizers(state).items():
+            osd = saved[name]
+            if osd.get("state"):
+                set_optimizer_state_dict(state.model, opt, by_fqn(osd, state.model, opt), options=full)
+            else:  # saved before its first step: hyperparameters only (see save)
+                opt.load_state_dict(osd)
+    except (KeyError, RuntimeError, ValueError, TypeError, AttributeError) as e:
+        raise _does_not_fit(Path(source), e) from None
+    return {**tree, **_live(state)}
+
+
+def full_tree(folder: Path, metadata: Metadata, keys: Iterable[str] = (MODEL, OPTIMIZERS)) -> dict[str, Any]:
+    """The checkpoint's ``keys`` as full tensors, in ``state.pt``'s layout (optimizer state keyed by
+    parameter index), read by this process alone: DCP reassembles every tensor from its chunks."""
+    keys = tuple(keys)
+    roots = {path[0] for path in metadata.planner_data.values()}
+    if MODEL not in roots:
+        raise CheckpointLoadError(f"{folder}: the sharded checkpoint holds no model")
+    tree = dcp_storage.load({}, folder, metadata, fill=[k for k in keys if k in roots], no_dist=True)
+    if OPTIMIZERS in tree:
+        try:
+            tree[OPTIMIZERS] = {name: by_id(osd) for name, osd in tree[OPTIMIZERS].items()}
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
+            raise CheckpointLoadError(f"{folder}: its optimizer state is malformed ({first_line(e)})") from None
     return tree
 
 
-def _placements(spec: list[list[Any]]) -> list[Shard | Replicate]:
-    out: list[Shard | Replicate] = []
-    for item in spec:
-        if item[0] == "shard":
-            out.append(Shard(int(item[1])))
-        elif item[0] == "replicate":
-            out.append(Replicate())
-        else:
-            raise ValueError(f"unknown placement {item!r}")
-    return out
+def by_id(osd: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state dict keyed by parameter name (torch.distributed.checkpoint.state_dict) keyed by
+    parameter index instead, as ``Optimizer.state_dict`` numbers them: in the order of the param groups."""
+    groups = osd.get("param_groups", [])
+    names = [name for group in groups for name in group["params"]]
+    if all(isinstance(n, int) for n in names):
+        return {"state": osd.get("state", {}), "param_groups": groups}
+    index = {name: i for i, name in enumerate(names)}
+    return {"state": {index[name]: value for name, value in osd.get("state", {}).items()},
+            "param_groups": [{**group, "params": [index[n] for n in group["params"]]} for group in groups]}
 
 
-def decode(tree: Any, mesh: DeviceMesh) -> Any:
-    """Rebuild the DTensors of an encoded tree on this run's mesh."""
-    if isinstance(tree, dict) and DTENSOR in tree:
-        return DTensor.from_local(tree[DTENSOR].to(mesh.device_type), mesh, _placements(tree["placements"]),
-                                  run_check=False, shape=torch.Size(tree["shape"]), stride=tuple(tree["stride"]))
-    if isinstance(tree, dict):
-        return {k: decode(v, mesh) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(decode(v, mesh) for v in tree)
-    return tree
+def by_fqn(osd: dict[str, Any], model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """The inverse of :func:`by_id` for ``opt`` of ``model``: index i is the i-th parameter of its param
+    groups, named as torch's get_optimizer_state_dict names it."""
+    own_ids = [i for group in opt.state_dict()["param_groups"] for i in group["params"]]
+    own_names = [n for group in get_optimizer_state_dict(model, opt)["param_groups"] for n in group["params"]]
+    name = dict(zip(own_ids, own_names, strict=True))
+    return {"state": {name[i]: value for i, value in osd["state"].items()},
+            "param_groups": [{**group, "params": [name[i] for i in group["params"]]} for group in osd["param_groups"]]}
 
 
-def gather_full(shards: list[Any]) -> Any:
-    """The unsharded tree from every rank's encoded shard, in rank order (for `job inspect`)."""
-    first = shards[0]
-    if isinstance(first, dict) and DTENSOR in first:
-        spec = first["placements"]
-        if len(spec) != 1:
-            raise ValueError("only one-dimensional meshes can be reassembled")
-        if spec[0][0] == "replicate":
-            return first[DTENSOR]
-        return torch.cat([s[DTENSOR] for s in shards], dim=int(spec[0][1])).reshape(first["shape"])
-    if isinstance(first, dict):
-        return {k: gather_full([s[k] for s in shards]) for k in first}
-    if isinstance(first, (list, tuple)):
-        return type(first)(gather_full([s[i] for s in shards]) for i in range(len(first)))
-    return first
+def _live(state: State) -> dict[str, Any]:
+    """This run's model and optimizer state dicts, already loaded, as State.state_dict() gives them."""
+    live = state.state_dict()
+    return {MODEL: live[MODEL], OPTIMIZERS: live[OPTIMIZERS]}
 
 
-def shard_files(folder: Path, world: int) -> list[Path]:
-    return [folder / shard_name(r, world) for r in range(world)]
+def _does_not_fit(source: Path, e: BaseException) -> CheckpointLoadError:
+    return CheckpointLoadError(
+        f"checkpoint {source} does not fit this model/optimizer ({first_line(e, 300)}); resume it with the --model "
+        "it was written with, or start a new run in another --save-folder/--remote")

@@ -16,8 +16,15 @@ the one place that decides whether it is usable: at most MAX_MANIFEST_BYTES, str
 Infinity), every field of the right type and range, ``block_size`` within [MIN_BLOCK_SIZE,
 MAX_BLOCK_SIZE] (so verifying costs a bounded number of reads and bytes of memory per checkpoint
 byte), a file layout that can exist on disk (no entry inside another, no escapes), and the payload the
-job loads (``state.pt``, or one shard per rank for ``meta.sharded``). Anything else is a
+job loads (``state.pt``; or, for ``meta.sharded``, the sharded layout below). Anything else is a
 ManifestError: the checkpoint is skipped like a corrupt one, never a crash.
+
+A sharded checkpoint (``--sharded``, written with torch.distributed.checkpoint by job.sharded) lists
+exactly: ``dcp-metadata.json`` (DCP's metadata as JSON, never a pickle), ``replicated.pt`` (what
+every rank shares besides the model and optimizer), one ``rank-RRRRR-of-WWWWW.pt`` per rank of the
+run that wrote it (that rank's RNG and metric state), and DCP's data files ``__R_N.distcp`` of those
+ranks. Which byte ranges of the data files hold what is the metadata's business, checked by the job
+against this list when it loads (job.dcp_storage).
 """
 from __future__ import annotations
 
@@ -50,10 +57,15 @@ MAX_STEP = 10**12 - 1  # step folder names have 12 digits
 MAX_PATH_CHARS = 1024
 MAX_NODES = 100_000
 _SAVE_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}", re.ASCII)  # one save's parts, across nodes
-# The payload the job loads (job.checkpoint.STATE_FILE, job.sharded.shard_name): a checkpoint without
-# it cannot be resumed, so it is refused here, with the other damage, and the previous one is used.
+# The payload the job loads (job.checkpoint.STATE_FILE; job.sharded and job.dcp_storage for a sharded
+# one): a checkpoint without it cannot be resumed, so it is refused here, with the other damage, and the
+# previous one is used.
 STATE_FILE = "state.pt"
-SHARD_RE = re.compile(r"shard-([0-9]{5})-of-([0-9]{5})\.pt", re.ASCII)
+DCP_METADATA = "dcp-metadata.json"
+REPLICATED_FILE = "replicated.pt"
+RANK_FILE_RE = re.compile(r"rank-([0-9]{5})-of-([0-9]{5})\.pt", re.ASCII)
+# torch's FileSystemWriter names its data files __RANK_N.distcp
+DCP_DATA_RE = re.compile(r"__(0|[1-9][0-9]{0,6})_(0|[1-9][0-9]{0,6})\.distcp", re.ASCII)
 _SHA256_RE = re.compile(r"[0-9a-f]{64}", re.ASCII)
 _INT64 = 2**63
 
@@ -311,7 +323,26 @@ def _check_layout(manifest: Manifest) -> None:
         if STATE_FILE not in paths:
             raise ManifestError(f"manifest does not list {STATE_FILE}, the state the job loads")
         return
-    shards = [m for m in (SHARD_RE.fullmatch(p) for p in paths) if m is not None]
-    worlds = {int(m.group(2)) for m in shards}
-    if len(worlds) != 1 or {int(m.group(1)) for m in shards} != set(range(next(iter(worlds)))):
-        raise ManifestError("manifest of a sharded checkpoint does not list exactly one shard file per rank")
+    _check_sharded_layout(paths)
+
+
+def _check_sharded_layout(paths: list[str]) -> None:
+    """The sharded payload, exactly: the metadata, the replicated state, one file per rank of one run,
+    and DCP data files of those ranks; nothing else (module docstring)."""
+    ranks = [m for m in (RANK_FILE_RE.fullmatch(p) for p in paths) if m is not None]
+    worlds = {int(m.group(2)) for m in ranks}
+    if len(worlds) != 1 or sorted(int(m.group(1)) for m in ranks) != list(range(next(iter(worlds)))):
+        raise ManifestError("manifest of a sharded checkpoint does not list exactly one rank-RRRRR-of-WWWWW.pt "
+                            "per rank")
+    world = next(iter(worlds))
+    for name in (DCP_METADATA, REPLICATED_FILE):
+        if name not in paths:
+            raise ManifestError(f"manifest of a sharded checkpoint does not list {name}")
+    data = [m for m in (DCP_DATA_RE.fullmatch(p) for p in paths) if m is not None]
+    if not data:
+        raise ManifestError("manifest of a sharded checkpoint lists no data file (__R_N.distcp)")
+    if any(int(m.group(1)) >= world for m in data):
+        raise ManifestError(f"manifest of a sharded checkpoint lists a data file of a rank beyond its {world} ranks")
+    extra = sorted(set(paths) - {m.string for m in ranks + data} - {DCP_METADATA, REPLICATED_FILE})
+    if extra:
+        raise ManifestError(f"manifest of a sharded checkpoint lists a file that is not part of one: {_short(extra[0])}")

@@ -79,7 +79,7 @@ def test_elastic_restart_after_one_rank_is_killed_completes(spawn, tmp_path, uni
 
 @pytest.mark.s3
 def test_sharded_checkpoints_round_trip_through_the_bucket(spawn, tmp_path, s3_bucket):
-    """FSDP2: each rank writes its shard; the manifest lists both; a new machine resumes from the bucket."""
+    """FSDP2: each rank writes its shards (DCP); the manifest lists every file; a new machine resumes from the bucket."""
     from tests.job.test_remote import remote_steps
     from tests.support.jobs import s3_job_env
 
@@ -102,7 +102,8 @@ def test_sharded_checkpoints_round_trip_through_the_bucket(spawn, tmp_path, s3_b
     assert restarted.wait_event("resumed")["source"].startswith(remote)
     newest = sorted(p for p in folder.iterdir() if p.name.startswith("step-"))[-1]
     assert sorted(p.name for p in newest.iterdir()) == [
-        "manifest.json", "shard-00000-of-00002.pt", "shard-00001-of-00002.pt"]
+        "__0_0.distcp", "__1_0.distcp", "dcp-metadata.json", "manifest.json", "rank-00000-of-00002.pt",
+        "rank-00001-of-00002.pt", "replicated.pt"]
     info = inspect(folder)
     assert info["meta"]["sharded"] is True
     assert info["model_sha256"] == expected["model_sha256"]

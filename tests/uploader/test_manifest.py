@@ -64,3 +64,34 @@ def test_an_unknown_format_version_asks_for_an_upgrade(version: Any) -> None:
         Manifest.from_json(doc(version))  # type: ignore[arg-type]
     # Only a higher version is a newer build's (refused by resume and pull); the rest are damage (skipped).
     assert isinstance(raised.value, UnsupportedFormat) == (version == 3)
+
+
+SHARDED = ["dcp-metadata.json", "replicated.pt", "rank-00000-of-00002.pt", "rank-00001-of-00002.pt", "__0_0.distcp",
+           "__1_0.distcp"]
+
+
+def sharded(paths: list[str]) -> bytes:
+    files = [{"path": p, "size": 1, "sha256": "0" * 64} for p in paths]
+    return json.dumps({"format_version": 2, "step": 3, "files": files, "meta": {"sharded": True}}).encode()
+
+
+def test_a_sharded_checkpoint_lists_metadata_replicated_state_rank_files_and_data_files() -> None:
+    assert [f.path for f in Manifest.from_json(sharded(SHARDED)).files] == SHARDED
+    assert Manifest.from_json(sharded([*SHARDED, "__1_1.distcp"]))  # a rank may write several data files
+
+
+@pytest.mark.parametrize(("paths", "reason"), [
+    (SHARDED[1:], "does not list dcp-metadata.json"),
+    ([p for p in SHARDED if p != "replicated.pt"], "does not list replicated.pt"),
+    ([p for p in SHARDED if p != "rank-00001-of-00002.pt"], "one rank-RRRRR-of-WWWWW.pt per rank"),
+    ([*SHARDED, "rank-00000-of-00003.pt"], "one rank-RRRRR-of-WWWWW.pt per rank"),
+    ([p for p in SHARDED if not p.endswith(".distcp")], "no data file"),
+    ([*SHARDED, "__2_0.distcp"], "a rank beyond its 2 ranks"),
+    ([*SHARDED, "__01_0.distcp"], "not part of one"),
+    ([*SHARDED, "state.pt"], "not part of one"),
+    ([*SHARDED, ".metadata"], "not part of one"),  # DCP's own pickled metadata never belongs to one
+    (["shard-00000-of-00002.pt", "shard-00001-of-00002.pt"], "per rank"),  # the layout before DCP
+])
+def test_a_sharded_manifest_lists_exactly_its_layout(paths: list[str], reason: str) -> None:
+    with pytest.raises(ManifestError, match=reason):
+        Manifest.from_json(sharded(paths))

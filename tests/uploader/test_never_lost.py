@@ -176,7 +176,8 @@ HOSTILE: dict[str, Callable[[dict[str, Any]], bytes]] = {
     "sha256-not-hex": lambda d: json.dumps({**d, "files": [{**d["files"][0], "sha256": "zz"}]}).encode(),
     "tiny-block-size": lambda d: json.dumps({**d, "files": [{**d["files"][0], "block_size": 1}]}).encode(),
     "meta-not-an-object": lambda d: json.dumps({**d, "meta": []}).encode(),
-    "half-sharded": lambda d: json.dumps({**json.loads(_files("shard-00000-of-00002.pt")(d)),
+    "half-sharded": lambda d: json.dumps({**json.loads(_files("dcp-metadata.json", "replicated.pt", "__0_0.distcp",
+                                                             "rank-00000-of-00002.pt")(d)),
                                           "meta": {"sharded": True}}).encode(),
 }
 

@@ -1,0 +1,504 @@
+"""torch.distributed.checkpoint's storage, without pickle: metadata as JSON, every read weights-only.
+
+DCP decides what is written and read: its planners flatten the state dict, write replicated items once,
+and reshard DTensors between any numbers of ranks. A storage layer only says where the bytes go. The
+stock FileSystemWriter/Reader keep DCP's metadata in ``.metadata``, a pickle that the reader unpickles
+as code, and the stock load planner unpickles non-tensor items without restriction. Here instead:
+
+* :class:`JsonMetadataWriter` is the stock writer (one ``__R_N.distcp`` file per rank, fsynced) whose
+  metadata file is ``dcp-metadata.json`` (:func:`encode_metadata`): for each item its flattened key,
+  its path in the nested state dict, and for a tensor its dtype, size and chunks; each chunk, and each
+  non-tensor item, with the file, offset and length of its bytes.
+* :func:`read_metadata` parses that JSON as untrusted input (:func:`decode_metadata`): strict types
+  and bounds, a known dtype, chunks that cover their tensor exactly once, byte ranges inside the data
+  files the manifest lists (and so hashed), never overlapping and large enough for their chunk (what a
+  load allocates is bounded by the bytes on disk). Anything else is a CheckpointLoadError.
+* :class:`SafeReader` reads each byte range and loads it with ``torch.load(weights_only=True)``; a
+  tensor must have exactly its chunk's dtype and shape. :class:`SafeLoadPlanner` is DCP's
+  DefaultLoadPlanner with non-tensor items loaded weights-only as well, and SafeReader works with no
+  other planner.
+"""
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import warnings
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException, FileSystemWriter, filesystem
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import StorageReader, WriteResult
+from torch.futures import Future
+
+from job.exceptions import CheckpointLoadError, CheckpointWriteError
+from job.safe_load import clip, first_line, load_weights_only
+from uploader.hashing import BLOCK_SIZE, digest_bytes
+from uploader.manifest import DCP_DATA_RE, DCP_METADATA, FileEntry, Manifest, open_regular
+
+FORMAT = "spot-trainer/dcp-metadata"
+FORMAT_VERSION = 1
+# Bounds on what a metadata file may ask of a reader, far above any real checkpoint. What a load
+# allocates is bounded by the bytes of the data files besides (decode_metadata).
+MAX_METADATA_BYTES = 512 * 1024 * 1024
+MAX_ITEMS = 10_000_000
+MAX_CHUNKS = 1_000_000  # of one tensor
+MAX_DIMS = 64
+MAX_DIM = 2**48
+MAX_PATH_DEPTH = 64
+MAX_KEY_CHARS = 4096
+_DTYPE_NAMES = ("float64", "float32", "float16", "bfloat16", "complex128", "complex64", "int64", "int32", "int16",
+                "int8", "uint8", "uint16", "uint32", "uint64", "bool", "float8_e4m3fn", "float8_e5m2",
+                "float8_e4m3fnuz", "float8_e5m2fnuz")
+DTYPES: dict[str, torch.dtype] = {n: getattr(torch, n) for n in _DTYPE_NAMES if isinstance(getattr(torch, n, None), torch.dtype)}
+_NAME_OF = {dtype: name for name, dtype in DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class Slice:
+    """Where one item's bytes are: ``length`` bytes of data file ``file`` from ``offset`` (a torch.save
+    of the item); for a tensor chunk, also the chunk's shape."""
+
+    file: str
+    offset: int
+    length: int
+    sizes: tuple[int, ...] | None = None
+
+
+# -- writing ------------------------------------------------------------------------------------------
+
+
+class JsonMetadataWriter(FileSystemWriter):
+    """DCP's FileSystemWriter (its data files, fsynced) with the metadata written as JSON.
+
+    After a save, :meth:`data_files` names the files this rank wrote, and on the coordinator (rank 0)
+    ``metadata_entry`` describes the metadata file for the manifest.
+    """
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__(folder, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True)
+        self.folder = folder
+        self.prefix: str | None = None
+        self.metadata_entry: FileEntry | None = None
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        self.prefix = plan.storage_data.prefix  # "__R_": every file this rank writes starts with it
+        return super().write_data(plan, planner)
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        metadata.storage_data = {r.index: r.storage_data for per_rank in results for r in per_rank}
+        metadata.version = metadata.version or getattr(filesystem, "CURRENT_DCP_VERSION", None)
+        data = encode_metadata(metadata)
+        with open(self.folder / DCP_METADATA, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        self.metadata_entry = FileEntry(DCP_METADATA, len(data), digest_bytes(data, BLOCK_SIZE), BLOCK_SIZE)
+
+    def data_files(self) -> list[str]:
+        """The data files this rank wrote (an empty one too: it is in the folder all the same)."""
+        if self.prefix is None:
+            return []
+        return sorted(p.name for p in self.folder.iterdir()
+                      if p.name.startswith(self.prefix) and DCP_DATA_RE.fullmatch(p.name))
+
+
+def encode_metadata(metadata: Metadata) -> bytes:
+    """DCP's Metadata as JSON (module docstring): nothing in it can run code when it is read back."""
+    mappings = metadata.planner_data or {}
+    items: list[dict[str, Any]] = []
+    for key, entry in sorted(metadata.state_dict_metadata.items()):
+        path = list(mappings.get(key, (key,)))
+        if isinstance(entry, TensorStorageMetadata):
+            dtype = _NAME_OF.get(entry.properties.dtype)
+            if dtype is None:
+                raise ValueError(f"{key}: tensors of {entry.properties.dtype} cannot be checkpointed sharded")
+            chunks = [{"offsets": list(c.offsets), "sizes": list(c.sizes),
+                       **_where(metadata.storage_data[MetadataIndex(key, c.offsets)])} for c in entry.chunks]
+            items.append({"key": key, "path": path, "kind": "tensor", "dtype": dtype, "size": list(entry.size),
+                          "chunks": chunks})
+        else:
+            items.append({"key": key, "path": path, "kind": "bytes", **_where(metadata.storage_data[MetadataIndex(key)])})
+    doc = {"format": FORMAT, "format_version": FORMAT_VERSION, "dcp_version": metadata.version or "", "items": items}
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def _where(info: Any) -> dict[str, Any]:
+    """The stock writer's storage record (relative path, offset, length) as JSON fields."""
+    if getattr(info, "transform_descriptors", None):
+        raise ValueError("DCP stream transforms are not supported")
+    return {"file": str(info.relative_path), "offset": int(info.offset), "length": int(info.length)}
+
+
+def save(tree: dict[str, Any], folder: Path) -> JsonMetadataWriter:
+    """Collective: every rank writes its part of ``tree`` (of a DTensor, its local shard) into ``folder``,
+    rank 0 the metadata. A failure on any rank raises on every rank: an OSError as itself (the caller
+    says what to do about a full disk), anything else as a CheckpointWriteError."""
+    writer = JsonMetadataWriter(folder)
+    try:
+        dcp.save(tree, storage_writer=writer, planner=DefaultSavePlanner())
+    except CheckpointException as e:
+        cause = _first_failure(e)
+        if isinstance(cause, OSError):
+            raise cause from None
+        raise CheckpointWriteError(f"cannot write a sharded checkpoint to {folder}: {first_line(cause, 300)}") from None
+    return writer
+
+
+# -- reading ------------------------------------------------------------------------------------------
+
+
+def read_metadata(folder: Path, manifest: Manifest) -> Metadata:
+    """The validated metadata of the sharded checkpoint in ``folder`` (a CheckpointLoadError if unusable)."""
+    try:
+        with open_regular(folder / DCP_METADATA) as f:
+            data = f.read(MAX_METADATA_BYTES + 1)
+    except OSError as e:
+        raise CheckpointLoadError(f"{folder}: cannot read {DCP_METADATA} ({e.strerror or e})") from None
+    return decode_metadata(data, {f.path: f.size for f in manifest.files}, str(folder))
+
+
+def decode_metadata(data: bytes, files: Mapping[str, int], where: str) -> Metadata:
+    """Parse and validate untrusted metadata (module docstring). ``files``: the checkpoint's files and
+    their sizes, from its manifest; only its DCP data files may hold items."""
+    try:
+        return _Decoder(files).decode(data)
+    except _Invalid as e:
+        raise CheckpointLoadError(f"{where}: {DCP_METADATA} is damaged or hostile ({e}); the checkpoint cannot be "
+                                  "loaded") from None
+
+
+class _Invalid(Exception):
+    pass
+
+
+class _Decoder:
+    def __init__(self, files: Mapping[str, int]) -> None:
+        self.files = {name: size for name, size in files.items() if DCP_DATA_RE.fullmatch(name)}
+        self.ranges: dict[str, list[tuple[int, int, str]]] = {}
+        self.item_count = 0
+
+    def decode(self, data: bytes) -> Metadata:
+        if len(data) > MAX_METADATA_BYTES:
+            raise _Invalid(f"larger than {MAX_METADATA_BYTES} bytes")
+        try:
+            doc = json.loads(data, parse_constant=_refuse_constant)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise _Invalid(f"not JSON: {clip(str(e), 120)}") from None
+        except RecursionError:
+            raise _Invalid("not JSON: nested too deeply") from None
+        _fields(doc, "the document", {"format", "format_version", "dcp_version", "items"})
+        if doc["format"] != FORMAT or type(doc["format_version"]) is not int or doc["format_version"] != FORMAT_VERSION:
+            raise _Invalid(f"not {FORMAT} version {FORMAT_VERSION}: {_short(doc['format'])} {_short(doc['format_version'])}")
+        version = doc["dcp_version"]
+        if not isinstance(version, str) or len(version) > 64:
+            raise _Invalid(f"dcp_version is not a short string: {_short(version)}")
+        items = doc["items"]
+        if not isinstance(items, list) or not 0 < len(items) <= MAX_ITEMS:
+            raise _Invalid(f"items is not a list of 1 to {MAX_ITEMS} items")
+        self.item_count = len(items)
+        state: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+        paths: dict[str, tuple[str | int, ...]] = {}
+        storage: dict[MetadataIndex, Slice] = {}
+        for item in items:
+            key, path, entry = self._item(item, storage)
+            if key in state:
+                raise _Invalid(f"{_short(key)} is listed twice")
+            state[key], paths[key] = entry, path
+        _check_paths(paths)
+        self._check_ranges()
+        return Metadata(state_dict_metadata=state, planner_data=paths, storage_data=storage,
+                        storage_meta=StorageMeta(), version=version or None)
+
+    def _item(self, item: Any, storage: dict[MetadataIndex, Slice]) -> tuple[str, tuple[str | int, ...],
+                                                                                TensorStorageMetadata | BytesStorageMetadata]:
+        if not isinstance(item, dict) or item.get("kind") not in ("tensor", "bytes"):
+            raise _Invalid(f"an item is not an object of kind tensor or bytes: {_short(item)}")
+        if item["kind"] == "bytes":
+            _fields(item, "a bytes item", {"key", "path", "kind", "file", "offset", "length"})
+        else:
+            _fields(item, "a tensor item", {"key", "path", "kind", "dtype", "size", "chunks"})
+        key = item["key"]
+        if not isinstance(key, str) or not 0 < len(key) <= MAX_KEY_CHARS:
+            raise _Invalid(f"an item's key is not a string of 1 to {MAX_KEY_CHARS} characters: {_short(key)}")
+        path = self._path(item["path"], key)
+        if item["kind"] == "bytes":
+            storage[MetadataIndex(key)] = self._slice(item, key)
+            return key, path, BytesStorageMetadata()
+        dtype = DTYPES.get(item["dtype"]) if isinstance(item["dtype"], str) else None
+        if dtype is None:
+            raise _Invalid(f"{_short(key)}: unknown dtype {_short(item['dtype'])}")
+        size = _dims(item["size"], f"{key}'s size")
+        chunks = item["chunks"]
+        if not isinstance(chunks, list) or not 0 < len(chunks) <= MAX_CHUNKS:
+            raise _Invalid(f"{_short(key)}: chunks is not a list of 1 to {MAX_CHUNKS} chunks")
+        parsed: list[ChunkStorageMetadata] = []
+        for chunk in chunks:
+            _fields(chunk, f"a chunk of {key}", {"offsets", "sizes", "file", "offset", "length"})
+            offsets, sizes = _dims(chunk["offsets"], f"{key}'s chunk offsets"), _dims(chunk["sizes"], f"{key}'s chunk sizes")
+            if len(offsets) != len(size) or len(sizes) != len(size) or any(
+                    o + s > d for o, s, d in zip(offsets, sizes, size)):
+                raise _Invalid(f"{_short(key)}: a chunk {offsets}+{sizes} is not inside the tensor's size {size}")
+            where = self._slice(chunk, key, sizes)
+            if math.prod(sizes) * dtype.itemsize > where.length:
+                raise _Invalid(f"{_short(key)}: a chunk of {sizes} {item['dtype']} is stored in fewer bytes ({where.length})")
+            index = MetadataIndex(key, offsets)
+            if index in storage:
+                raise _Invalid(f"{_short(key)}: two chunks at {offsets}")
+            storage[index] = where
+            parsed.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
+        _check_cover(key, size, parsed)
+        return key, path, TensorStorageMetadata(properties=TensorProperties(dtype=dtype), size=torch.Size(size),
+                                                chunks=parsed)
+
+    def _path(self, value: Any, key: str) -> tuple[str | int, ...]:
+        """The item's place in the nested state dict: keys, and list indices below the number of items
+        (set_element grows a list up to its index)."""
+        if not isinstance(value, list) or not 0 < len(value) <= MAX_PATH_DEPTH or not isinstance(value[0], str):
+            raise _Invalid(f"{_short(key)}: path is not a list of 1 to {MAX_PATH_DEPTH} keys starting with a string")
+        for part in value:
+            if isinstance(part, str):
+                if len(part) > MAX_KEY_CHARS:
+                    raise _Invalid(f"{_short(key)}: a path key is longer than {MAX_KEY_CHARS} characters")
+            elif type(part) is not int or not 0 <= part < self.item_count:
+                raise _Invalid(f"{_short(key)}: path element {_short(part)} is neither a key nor a list index")
+        if ".".join(map(str, value)) != key:
+            raise _Invalid(f"{_short(key)}: path {_short(value)} does not spell the key")
+        return tuple(value)
+
+    def _slice(self, doc: dict[str, Any], key: str, sizes: list[int] | None = None) -> Slice:
+        name, offset, length = doc["file"], doc["offset"], doc["length"]
+        if not isinstance(name, str) or name not in self.files:
+            raise _Invalid(f"{_short(key)}: file {_short(name)} is not a data file of this checkpoint's manifest")
+        for what, n in (("offset", offset), ("length", length)):
+            if type(n) is not int or n < 0:
+                raise _Invalid(f"{_short(key)}: {what} {_short(n)} is not a non-negative integer")
+        if offset + length > self.files[name]:
+            raise _Invalid(f"{_short(key)}: bytes {offset}+{length} run past the end of {name} ({self.files[name]} bytes)")
+        self.ranges.setdefault(name, []).append((offset, length, key))
+        return Slice(name, offset, length, None if sizes is None else tuple(sizes))
+
+    def _check_ranges(self) -> None:
+        """No two items share bytes: a load never allocates more than the data files hold."""
+        for name, ranges in self.ranges.items():
+            ranges.sort()
+            for (a, n, key), (b, _, other) in zip(ranges, ranges[1:]):
+                if a + n > b:
+                    raise _Invalid(f"{_short(key)} and {_short(other)} overlap in {name}")
+
+
+def _fields(doc: Any, what: str, expected: set[str]) -> None:
+    if not isinstance(doc, dict) or set(doc) != expected:
+        found = sorted(doc) if isinstance(doc, dict) else type(doc).__name__
+        raise _Invalid(f"{what} does not have exactly the fields {sorted(expected)}: {_short(found)}")
+
+
+def _dims(value: Any, what: str) -> list[int]:
+    if not isinstance(value, list) or len(value) > MAX_DIMS or any(
+            type(d) is not int or not 0 <= d <= MAX_DIM for d in value):
+        raise _Invalid(f"{what} is not a list of at most {MAX_DIMS} integers in [0, {MAX_DIM}]: {_short(value)}")
+    return value
+
+
+def _check_cover(key: str, size: list[int], chunks: list[ChunkStorageMetadata]) -> None:
+    """The chunks fill the tensor exactly once: their volumes add up to it and no two overlap (a
+    sweep along the first dimension, where DCP's shards of a DTensor lie side by side)."""
+    if sum(math.prod(c.sizes) for c in chunks) != math.prod(size):
+        raise _Invalid(f"{_short(key)}: its chunks do not add up to its size {size}")
+    boxes = sorted((tuple(c.offsets), tuple(c.sizes)) for c in chunks if math.prod(c.sizes) > 0)
+    active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for offsets, sizes in boxes:
+        start = offsets[0] if offsets else 0
+        active = [b for b in active if (b[0][0] + b[1][0] if b[0] else 1) > start]
+        for other_offsets, other_sizes in active:
+            if all(o < p + t and p < o + s for o, s, p, t in zip(offsets, sizes, other_offsets, other_sizes)):
+                raise _Invalid(f"{_short(key)}: two of its chunks overlap")
+        active.append((offsets, sizes))
+
+
+def _check_paths(paths: Mapping[str, tuple[str | int, ...]]) -> None:
+    """Paths that make one tree: no leaf is also a container, and a container is a dict (string keys)
+    or a list (indices), not both."""
+    leaves = set(paths.values())
+    containers: dict[tuple[str | int, ...], type] = {}
+    for key, path in paths.items():
+        for depth in range(1, len(path)):
+            prefix = path[:depth]
+            if prefix in leaves:
+                raise _Invalid(f"{_short(key)}: {_short('.'.join(map(str, prefix)))} is both an item and a container")
+            kind = type(path[depth])
+            if containers.setdefault(prefix, kind) is not kind:
+                raise _Invalid(f"{_short(key)}: {_short('.'.join(map(str, prefix)))} is both a dict and a list")
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner (flattening, resharding into the given DTensors), with two changes:
+    non-tensor items are loaded weights-only, and the top-level entries named in ``fill`` are built
+    from the metadata (DCP's way of loading what no live object holds, as for ``dcp_to_torch_save``)."""
+
+    def __init__(self, fill: Collection[str] = ()) -> None:
+        super().__init__()
+        self.fill = frozenset(fill)
+
+    def set_up_planner(self, state_dict: dict[str, Any], metadata: Metadata | None = None,
+                       is_coordinator: bool = False) -> None:
+        if self.fill and metadata is not None:
+            for key, entry in metadata.state_dict_metadata.items():
+                path = metadata.planner_data[key]
+                if path[0] in self.fill:
+                    value = (torch.empty(entry.size, dtype=entry.properties.dtype)
+                             if isinstance(entry, TensorStorageMetadata) else None)
+                    set_element(state_dict, path, value)
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        loaded = load_weights_only(value, f"sharded item {read_item.dest_index.fqn!r}")
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+class SafeReader(StorageReader):
+    """Reads the items of a plan from the data files with ``torch.load(weights_only=True)`` (module docstring)."""
+
+    def __init__(self, folder: Path, metadata: Metadata) -> None:
+        super().__init__()
+        self.folder = folder
+        self.metadata = metadata
+
+    @property
+    def checkpoint_id(self) -> str:
+        return str(self.folder)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return False  # never chosen by DCP itself: always handed in with its metadata
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        pass
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return self.metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if not isinstance(planner, SafeLoadPlanner):
+            raise TypeError("SafeReader loads only with a SafeLoadPlanner (the stock planner unpickles without restriction)")
+        by_file: dict[str, list[tuple[Slice, ReadItem]]] = {}
+        for item in plan.items:
+            where = self.metadata.storage_data[item.storage_index]
+            by_file.setdefault(where.file, []).append((where, item))
+        for name, reads in sorted(by_file.items()):
+            try:
+                with open_regular(self.folder / name) as f:
+                    for where, item in sorted(reads, key=lambda r: r[0].offset):
+                        f.seek(where.offset)
+                        data = f.read(where.length)
+                        if len(data) != where.length:
+                            raise CheckpointLoadError(f"{self.folder}: {name} ends before the bytes of "
+                                                      f"{item.storage_index.fqn!r} (truncated?)")
+                        if item.type == LoadItemType.BYTE_IO:
+                            try:
+                                planner.load_bytes(item, io.BytesIO(data))
+                            except CheckpointLoadError as e:
+                                raise CheckpointLoadError(f"{self.folder}/{name}: {e}") from None
+                        else:
+                            self._copy(item, where, planner, io.BytesIO(data))
+            except OSError as e:
+                raise CheckpointLoadError(f"{self.folder}: {name} cannot be read ({e.strerror or e})") from None
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _copy(self, item: ReadItem, where: Slice, planner: LoadPlanner, data: io.BytesIO) -> None:
+        """One stored chunk, checked against the metadata, into the part of a target DCP planned."""
+        key = item.storage_index.fqn
+        tensor = load_weights_only(data, f"{self.folder}/{where.file} (chunk of {key!r})")
+        entry = self.metadata.state_dict_metadata[key]
+        assert isinstance(entry, TensorStorageMetadata)
+        if (not isinstance(tensor, torch.Tensor) or tensor.dtype != entry.properties.dtype
+                or tuple(tensor.shape) != where.sizes):
+            found = f"{tensor.dtype} {tuple(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise CheckpointLoadError(f"{self.folder}: the chunk of {key!r} in {where.file} holds {found}, its "
+                                      f"metadata says {entry.properties.dtype} {where.sizes}: the checkpoint is damaged")
+        for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
+            tensor = tensor.narrow(dim, start, length)
+        target = planner.resolve_tensor(item).detach()
+        if target.shape != tensor.shape:
+            raise CheckpointLoadError(f"{self.folder}: {key!r} does not fit this model ({tuple(tensor.shape)} "
+                                      f"for {tuple(target.shape)})")
+        target.copy_(tensor)
+        planner.commit_tensor(item, target)
+
+
+def load(tree: dict[str, Any], folder: Path, metadata: Metadata, fill: Iterable[str] = (),
+         no_dist: bool = False) -> dict[str, Any]:
+    """DCP load into ``tree`` in place: its tensors and DTensors (of any sharding) get the checkpoint's
+    values, its other entries are replaced, and the top-level entries in ``fill`` are built whole from
+    the checkpoint. Collective unless ``no_dist`` (one process reading everything: `job inspect`).
+
+    Any failure, on any rank, is a CheckpointLoadError on every rank.
+    """
+    fill = tuple(fill)
+    for key in fill:  # dcp.load copies back only the top-level keys it was given
+        tree.setdefault(key, {})
+    try:
+        with warnings.catch_warnings():  # no_dist is what we ask for, not a surprise to warn about
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            dcp.load(tree, storage_reader=SafeReader(folder, metadata), planner=SafeLoadPlanner(fill), no_dist=no_dist)
+    except CheckpointException as e:
+        raise _load_error(_first_failure(e), folder) from None
+    except CheckpointLoadError:
+        raise
+    except Exception as e:  # noqa: BLE001 - without collectives DCP raises the planner's own errors
+        raise _load_error(e, folder) from None
+    return tree
+
+
+def _load_error(cause: BaseException, folder: Path) -> CheckpointLoadError:
+    if isinstance(cause, CheckpointLoadError):
+        return cause
+    return CheckpointLoadError(f"checkpoint {folder} does not fit this model/optimizer ({first_line(cause, 300)}); "
+                               "resume it with the --model it was written with, or start a new run in another "
+                               "--save-folder/--remote")
+
+
+def _first_failure(e: CheckpointException) -> BaseException:
+    """The exception of the lowest failing rank (DCP gathers every rank's)."""
+    failures = e.failures
+    return failures[min(failures)][0] if failures else e

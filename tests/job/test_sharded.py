@@ -1,0 +1,321 @@
+"""Issue 17, point 4: sharded (FSDP2) checkpoints reshard. Real torchrun processes on CPU (gloo).
+
+A sharded checkpoint written on W ranks loads on W' ranks, model and optimizer, through
+torch.distributed.checkpoint; an unsharded one loads sharded and the other way round; `job inspect`
+reports one model_sha256 for every sharding of the same weights; and the metadata, JSON instead of
+DCP's pickle, is untrusted input: a hostile one is a corrupt checkpoint (exit 6), never code.
+"""
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import shutil
+import signal
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from job.checkpoint import describe, load_state_file, open_checkpoint, restore
+from job.exceptions import CheckpointLoadError
+from job.sharded import by_id
+from tests.job.test_checkpoint import _Exploit
+from tests.support.jobs import REPO, JobProcess, events, inspect, job_env, run_job, train_config
+from tests.support.recording_model import trained
+from uploader.hashing import BLOCK_SIZE, file_digest
+from uploader.local import list_committed
+from uploader.manifest import DCP_METADATA, MANIFEST_NAME, FileEntry, Manifest
+
+pytestmark = pytest.mark.slow
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+
+
+def twins(ranks: int, *args: str) -> JobProcess:
+    """tests.support.sharded_twins on ``ranks`` processes, to the end."""
+    proc = JobProcess([*TORCHRUN, "--nproc-per-node", str(ranks), "-m", "tests.support.sharded_twins", *args],
+                      env=job_env(), cwd=REPO)
+    try:
+        proc.wait(240)
+    finally:
+        proc.kill()
+    return proc
+
+
+def newest(folder: Path) -> Path:
+    return list_committed(folder)[-1].path
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two optimizer steps of the MLP on 2 ranks, saved sharded (``w2``); torch's own gathering of the
+    same state (``reference.pt``); the same weights unsharded (``full``)."""
+    out = tmp_path_factory.mktemp("twins")
+    proc = twins(2, "save", str(out))
+    assert proc.proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def resharded(saved: Path) -> dict[str, JobProcess]:
+    """The 2-rank checkpoint loaded on 3 ranks (and saved again, ``w3``), that one on 2 (``w2b``), and
+    the unsharded one on 2 sharded ranks (``f2``); each compared with the reference by rank 0."""
+    return {name: twins(ranks, "check", str(newest(saved / src)), str(saved), name)
+            for name, ranks, src in (("w3", 3, "w2"), ("w2b", 2, "w3"), ("f2", 2, "full"))}
+
+
+@pytest.mark.parametrize("name", ["w3", "w2b", "f2"])
+def test_model_and_optimizer_state_reshard_exactly(resharded: dict[str, JobProcess], name: str) -> None:
+    """2 -> 3 -> 2 ranks and unsharded -> 2 ranks: what torch gathers after the load is the saved state, bit
+    for bit (parameters, Adam's moments and step counts, hyperparameters)."""
+    proc = resharded[name]
+    compared = [e for e in events(proc.stderr) if e.get("event") == "compared"]
+    assert proc.proc.returncode == 0 and compared and compared[0]["equal"], (compared, proc.stderr[-3000:])
+
+
+def test_inspect_reports_one_model_sha256_for_every_sharding(saved: Path, resharded: dict[str, JobProcess]) -> None:
+    # `job inspect` itself for two of them; what it prints (describe) in-process for the others, to save time
+    infos = {name: inspect(saved / name) for name in ("w2", "full")}
+    infos.update({name: describe(*open_checkpoint(saved / name)) for name in ("w3", "w2b", "f2")})
+    assert {name: (info["meta"]["sharded"], info["meta"]["world_size"]) for name, info in infos.items()} == {
+        "w2": (True, 2), "w3": (True, 3), "w2b": (True, 2), "full": (False, 1), "f2": (True, 2)}
+    assert len({info["model_sha256"] for info in infos.values()}) == 1
+    assert sorted(p.name for p in newest(saved / "w3").iterdir()) == [
+        "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", DCP_METADATA, MANIFEST_NAME, "rank-00000-of-00003.pt",
+        "rank-00001-of-00003.pt", "rank-00002-of-00003.pt", "replicated.pt"]
+
+
+def test_a_sharded_checkpoint_loads_into_one_unsharded_process(saved: Path) -> None:
+    from job.build import build
+    from job.elastic import for_this_rank
+
+    folder, manifest = open_checkpoint(newest(saved / "w2"))
+    reference = torch.load(saved / "reference.pt", weights_only=True)
+    tree = load_state_file(folder, manifest)  # DCP reassembles the full tensors, without a process group
+    assert tree["model"].keys() == reference["model"].keys()
+    assert all(torch.equal(tree["model"][k], reference["model"][k]) for k in reference["model"])
+    expected = by_id(reference["optim"])
+    assert tree["optimizers"]["AdamW"]["param_groups"] == expected["param_groups"]
+    for index, moments in expected["state"].items():
+        assert all(torch.equal(tree["optimizers"]["AdamW"]["state"][index][k], v) for k, v in moments.items())
+    assert len(tree["per_rank"]) == 2 and all(set(p) == {"rng", "train_metrics"} for p in tree["per_rank"])
+
+    state = build(train_config(batch_size=32, grad_accum=1, seed=11)).state
+    restore(state, for_this_rank(tree, 0, 1, seed=11, step=manifest.step).tree, str(folder))
+    assert all(torch.equal(p, reference["model"][k]) for k, p in state.model.state_dict().items())
+    assert state.timer.batch.value == manifest.step == 2
+
+
+# -- hostile metadata -------------------------------------------------------------------------------
+
+
+def _item(doc: dict[str, Any], key: str) -> dict[str, Any]:
+    return next(i for i in doc["items"] if i["key"] == key)
+
+
+def _append_to(folder: Path, name: str, blob: bytes) -> tuple[int, int]:
+    """``blob`` added at the end of data file ``name``: its (offset, length)."""
+    with open(folder / name, "ab") as f:
+        offset = f.tell()
+        f.write(blob)
+    return offset, len(blob)
+
+
+def _pickled_exploit(sentinel: Path) -> bytes:
+    """A torch file that runs code when unpickled, large enough for any chunk it stands in for."""
+    buf = io.BytesIO()
+    torch.save({"exploit": _Exploit(sentinel), "padding": torch.zeros(2**14)}, buf)
+    return buf.getvalue()
+
+
+def _point(item: dict[str, Any], where: tuple[int, int]) -> None:
+    item["offset"], item["length"] = where
+
+
+def _chunk(key: str, index: int = 0, **fields: Any) -> Callable[..., None]:
+    def edit(doc: dict[str, Any], folder: Path, sentinel: Path) -> None:
+        _item(doc, key)["chunks"][index].update(fields)
+    return edit
+
+
+def _swap_slices(doc: dict[str, Any], folder: Path, sentinel: Path) -> None:
+    a, b = _item(doc, "model.net.0.weight")["chunks"][0], _item(doc, "model.net.0.bias")["chunks"][0]
+    for field in ("file", "offset", "length"):
+        a[field], b[field] = b[field], a[field]
+
+
+def _exploit_in(key: str) -> Callable[..., None]:
+    def edit(doc: dict[str, Any], folder: Path, sentinel: Path) -> None:
+        item = _item(doc, key)
+        target = item["chunks"][0] if item["kind"] == "tensor" else item
+        _point(target, _append_to(folder, target["file"], _pickled_exploit(sentinel)))
+    return edit
+
+
+def _reindexed(doc: dict[str, Any], folder: Path, sentinel: Path) -> None:
+    item = _item(doc, "optimizers.AdamW.param_groups.0.lr")
+    item["path"][3] = 10**9
+    item["key"] = ".".join(map(str, item["path"]))
+
+
+def _leaf_and_container(doc: dict[str, Any], folder: Path, sentinel: Path) -> None:
+    lr = _item(doc, "optimizers.AdamW.param_groups.0.lr")
+    doc["items"].append({**lr, "key": "model", "path": ["model"]})
+
+
+HOSTILE: dict[str, Callable[..., bytes | None]] = {
+    "not-json": lambda doc, folder, sentinel: b'{"format": "spot-trainer/dcp-',
+    "a-pickle": lambda doc, folder, sentinel: pickle.dumps(_Exploit(sentinel)),  # DCP's stock .metadata format
+    "nested-too-deep": lambda doc, folder, sentinel: b"[" * 100_000 + b"]" * 100_000,
+    "size-as-strings": lambda doc, folder, sentinel: _item(doc, "model.net.0.weight").update(size=["128", "2"]),
+    "bool-offset": _chunk("model.net.0.weight", offset=True),
+    "escaping-path": _chunk("model.net.0.weight", file="../../../../../../etc/passwd"),
+    "absolute-path": _chunk("model.net.0.weight", file="/etc/passwd"),
+    "not-a-data-file": _chunk("model.net.0.weight", file="replicated.pt"),
+    "past-the-end": lambda doc, folder, sentinel: _chunk(
+        "model.net.0.weight", offset=(folder / _item(doc, "model.net.0.weight")["chunks"][0]["file"]).stat().st_size)(
+        doc, folder, sentinel),
+    "huge-tensor": lambda doc, folder, sentinel: _item(doc, "model.net.0.bias").update(
+        size=[2**40], chunks=[{**_item(doc, "model.net.0.bias")["chunks"][0], "offsets": [0], "sizes": [2**40]}]),
+    "overlapping-chunks": _chunk("model.net.0.weight", 1, offsets=[32, 0]),
+    "missing-chunk": lambda doc, folder, sentinel: _item(doc, "model.net.0.weight")["chunks"].pop(),
+    "unknown-dtype": lambda doc, folder, sentinel: _item(doc, "model.net.0.weight").update(dtype="object"),
+    "path-not-the-key": lambda doc, folder, sentinel: _item(doc, "model.net.0.weight").update(
+        path=["optimizers", "net.0.weight"]),
+    "huge-list-index": _reindexed,
+    "leaf-and-container": _leaf_and_container,
+    "extra-field": lambda doc, folder, sentinel: _item(doc, "model.net.0.weight").update(exec="import os"),
+    "chunk-of-another-shape": _swap_slices,
+    "pickled-tensor-chunk": _exploit_in("model.net.3.weight"),
+    "pickled-bytes-item": _exploit_in("optimizers.AdamW.param_groups.0.lr"),
+}
+
+
+def tampered(src: Path, dst: Path, name: str, sentinel: Path) -> tuple[Path, Manifest]:
+    """A copy of checkpoint ``src`` with metadata edited as HOSTILE[name] says, and a manifest that
+    matches it: every digest checks out, only the content is hostile."""
+    shutil.copytree(src, dst)
+    doc = json.loads((dst / DCP_METADATA).read_bytes())
+    out = HOSTILE[name](doc, dst, sentinel)
+    (dst / DCP_METADATA).write_bytes(out if isinstance(out, bytes) else json.dumps(doc).encode())
+    old = Manifest.read(dst)
+    files = tuple(FileEntry(f.path, *file_digest(dst / f.path, BLOCK_SIZE), BLOCK_SIZE) for f in old.files)
+    manifest = Manifest(step=old.step, files=files, timer=old.timer, meta=old.meta, created=old.created)
+    (dst / MANIFEST_NAME).write_bytes(manifest.to_json())
+    return open_checkpoint(dst)
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_hostile_metadata_is_a_corrupt_checkpoint_never_code(saved: Path, tmp_path: Path, name: str) -> None:
+    sentinel = tmp_path / "pwned"
+    folder, manifest = tampered(newest(saved / "w2"), tmp_path / "step-000000000002", name, sentinel)
+    with pytest.raises(CheckpointLoadError) as refused:
+        load_state_file(folder, manifest)
+    assert str(folder) in str(refused.value) and "\n" not in str(refused.value)
+    if name != "pickled-bytes-item":  # `job inspect` reads the model only
+        with pytest.raises(CheckpointLoadError):
+            describe(folder, manifest)
+    assert not sentinel.exists()
+
+
+def test_a_pickled_metadata_file_fails_inspect_and_a_resume_with_exit_6(saved: Path, tmp_path: Path) -> None:
+    sentinel = tmp_path / "pwned"
+    folder, _ = tampered(newest(saved / "w2"), tmp_path / "ck" / "step-000000000002", "a-pickle", sentinel)
+    done = run_job("inspect", str(folder))
+    assert done.returncode == 6 and f"{DCP_METADATA} is damaged or hostile" in done.stderr, done.stderr
+    ranks = JobProcess([*TORCHRUN, "--nproc-per-node", "2", "-m", "job", "train", "--sharded", "--save-folder",
+                        str(tmp_path / "ck"), "--max-duration", "4ba", "--log-format", "json"], env=job_env())
+    ranks.wait(120)
+    errors = [line for line in ranks.stderr.splitlines() if line.startswith("job: error:")]
+    assert len(errors) == 2 and all("is damaged or hostile" in e for e in errors), ranks.stderr[-3000:]  # no rank hangs
+    assert not sentinel.exists()
+
+
+# -- resuming whole runs on other rank counts -------------------------------------------------------
+
+DATASET = 3072
+# The recording model has no dropout (results on any rank count differ only by floating-point order)
+# and writes down every sample it trains on. A global batch of 96 divides among 1, 2 and 3 ranks.
+ARGS = ["--model", "tests.support.recording_model:build", "--data", "tests.support.recording_model:dataset",
+        "--max-duration", "1ep", "--eval-interval", "1ep", "--save-interval", "1000ba", "--log-interval", "2",
+        "--seed", "21", "--log-format", "json", "--lr", "0.01"]
+
+
+def run(ranks: int, folder: Path, record: Path, *extra: str, stop_after: int | None = None) -> JobProcess:
+    """One life of the run on ``ranks`` processes; SIGTERM once step ``stop_after`` is logged."""
+    record.mkdir(exist_ok=True)
+    proc = JobProcess([*TORCHRUN, "--nproc-per-node", str(ranks), "-m", "job", "train", *ARGS, "--save-folder",
+                       str(folder), *extra], env=job_env(RECORD_DIR=str(record)))
+    try:
+        if stop_after is not None:
+            proc.wait_event("progress", lambda e: e["step"] >= stop_after, timeout=120)
+            proc.signal(signal.SIGTERM)  # torchrun passes it on to every worker
+        proc.wait(240)
+    finally:
+        proc.kill()
+    return proc
+
+
+def final_model(folder: Path) -> dict[str, torch.Tensor]:
+    path, manifest = open_checkpoint(folder)
+    return load_state_file(path, manifest)["model"]
+
+
+def assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.allclose(a[name], b[name], rtol=1e-3, atol=1e-5), (name, (a[name] - b[name]).abs().max())
+
+
+def preempted(proc: JobProcess) -> bool:
+    return any(e.get("event") == "preempted" for e in events(proc.stderr))
+
+
+def resumed(*procs: JobProcess) -> list[tuple[int, int]]:
+    return [(e["world_size_was"], e["world_size"]) for p in procs for e in events(p.stderr) if e.get("event") == "resumed"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, torch.Tensor]]:
+    """The epoch without a stop: sharded on 2 ranks (48 each), and unsharded on 1 (96)."""
+    out = {}
+    for name, ranks, flags in (("sharded2", 2, ["--sharded", "--batch-size", "48", "--grad-accum", "2"]),
+                               ("single", 1, ["--batch-size", "96", "--grad-accum", "4"])):
+        base = tmp_path_factory.mktemp(name)
+        done = run(ranks, base / "ck", base / "record", *flags)
+        assert done.proc.returncode == 0, done.stderr[-3000:]
+        assert sorted(trained(base / "record")) == list(range(DATASET))
+        out[name] = final_model(base / "ck")
+    return out
+
+
+def test_sharded_2_then_3_then_2_ranks_train_every_sample_once_and_end_close(tmp_path: Path, uninterrupted) -> None:
+    folder, record = tmp_path / "ck", tmp_path / "record"
+    flags = ["--sharded", "--batch-size", "48", "--grad-accum", "2"]
+    first = run(2, folder, record, *flags, stop_after=6)
+    assert preempted(first), first.stderr[-3000:]
+    second = run(3, folder, record, *flags, stop_after=18)
+    assert preempted(second), second.stderr[-3000:]
+    third = run(2, folder, record, *flags)
+    assert third.proc.returncode == 0, third.stderr[-3000:]
+
+    assert resumed(second, third) == [(2, 3), (3, 2)]
+    assert sorted(trained(record)) == list(range(DATASET))  # every sample of the epoch exactly once
+    assert_close(final_model(folder), uninterrupted["sharded2"])
+
+
+def test_unsharded_1_then_sharded_2_ranks_end_close(tmp_path: Path, uninterrupted) -> None:
+    """A model that outgrows one device mid-run: its unsharded checkpoint resumes sharded."""
+    folder, record = tmp_path / "ck", tmp_path / "record"
+    first = run(1, folder, record, "--batch-size", "96", "--grad-accum", "4", stop_after=10)
+    assert preempted(first), first.stderr[-3000:]
+    done = run(2, folder, record, "--sharded", "--batch-size", "48", "--grad-accum", "2")
+    assert done.proc.returncode == 0, done.stderr[-3000:]
+
+    assert resumed(done) == [(1, 2)]
+    assert inspect(folder)["meta"]["sharded"] is True
+    assert sorted(trained(record)) == list(range(DATASET))
+    assert_close(final_model(folder), uninterrupted["single"])
