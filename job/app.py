@@ -242,6 +242,10 @@ def resume(state: State, cfg: CheckpointConfig, checkpointer: Checkpointer, meta
     if loaded is None:
         return None
     kind, payload, source, ckpt_meta, step = loaded
+    if kind == "sharded" and distributed.nodes() > 1:  # every node reads the whole from its own disk
+        if distributed.node_leader() and distributed.rank() != 0:
+            _whole_on_this_node(store, Path(payload[0]).parent, step, source)
+        distributed.barrier()
     tree = load_shard(Path(payload[0]), payload[1], state) if kind == "sharded" else payload
     handover = elastic.for_this_rank(tree, distributed.rank(), distributed.world_size(),
                                      seed=state.rank_zero_seed, step=step)
@@ -250,6 +254,17 @@ def resume(state: State, cfg: CheckpointConfig, checkpointer: Checkpointer, meta
     event(logger, "resumed", step=state.timer.batch.value, epoch=state.timer.epoch.value, source=source,
           world_size_was=ckpt_meta.get("world_size"), world_size=distributed.world_size())
     return ckpt_meta
+
+
+def _whole_on_this_node(store: RemoteStore | None, folder: Path, step: int, source: str) -> None:
+    """The whole checkpoint rank 0 chose, in this node's folder: already there (a shared volume, or
+    pulled before), else pulled from the remote, verified as any pull."""
+    pulled = store.pull_step(folder, step) if store is not None else None
+    if pulled is None and not any(c.step == step and c.manifest().meta.get("node") is None
+                                  for c in local.list_committed(folder)):
+        raise CheckpointLoadError(
+            f"checkpoint {source} is not on this node ({folder}) and no --remote has it: a sharded checkpoint "
+            "written on several nodes resumes through --remote, or from a --save-folder every node shares")
 
 
 def _until_exit(stop: StopRequest) -> float | None:
@@ -309,11 +324,14 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
     """Train to max_duration, or until ``stop`` is requested; always ending on a committed checkpoint."""
     stop = stop or StopRequest(grace_period=float("inf"))
     leader = distributed.rank() == 0
-    if leader:
+    # Sharded on several nodes: each node writes its part to its own disk and uploads it itself.
+    node_uploads = cfg.sharded and distributed.nodes() > 1 and distributed.node_leader()
+    if leader or node_uploads:
         claim_folder(ckpt_cfg.folder)
-    store = RemoteStore(remote_cfg) if leader and remote_cfg is not None and remote_cfg.url else None
+    store = RemoteStore(remote_cfg) if (leader or node_uploads) and remote_cfg is not None and remote_cfg.url else None
     # The newest remote checkpoint downloads while the model is built: a resume waits for the larger one.
-    pulling = store.start_pull(ckpt_cfg.folder) if store is not None and ckpt_cfg.resume == "auto" else None
+    pulling = (store.start_pull(ckpt_cfg.folder) if leader and store is not None and ckpt_cfg.resume == "auto"
+               else None)
     checkpointer: Checkpointer | None = None
     failed = False
     try:

@@ -15,6 +15,7 @@ import os
 import shutil
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Callable
 
@@ -143,11 +144,9 @@ class Checkpointer:
         another that gave up; a failure anywhere is a CheckpointWriteError on every rank.
         """
         rank, world, step = distributed.rank(), distributed.world_size(), state.timer.batch.value
-        staging = self.folder / f"{local.STAGING_PREFIX}{local.checkpoint_name(step)}-sharded"
-        if rank == 0:
-            shutil.rmtree(staging, ignore_errors=True)
-            staging.mkdir(parents=True)
-        distributed.barrier()
+        save_id = distributed.broadcast_choice(uuid.uuid4().hex if rank == 0 else None)
+        staging = self.folder / f"{local.STAGING_PREFIX}{local.checkpoint_name(step)}-sharded-{save_id}"
+        own_disks = self._staging_per_node(staging)
         tree = state.state_dict()
         entries: list[FileEntry] = []
         error: str | None = None
@@ -170,21 +169,44 @@ class Checkpointer:
         except OSError as e:
             error = error or f"rank {rank}: {e.strerror or e}"
         except CheckpointWriteError:
-            if rank == 0:
+            if distributed.node_leader():
                 shutil.rmtree(staging, ignore_errors=True)
             raise
-        results = distributed.all_gather((entries, error))
-        errors = [e for _, e in results if e is not None]
+        results = distributed.all_gather((entries, error, distributed.node()))
+        errors = [e for _, e, _ in results if e is not None]
         if errors:
-            if rank == 0:
+            if distributed.node_leader():
                 shutil.rmtree(staging, ignore_errors=True)
             raise CheckpointWriteError(f"cannot write a sharded checkpoint to {self.folder}: {'; '.join(errors)}; "
                                        "free disk space or fix permissions (the previous checkpoint is untouched)")
-        if rank != 0:
+        meta = {**self.meta, "sharded": True}
+        if own_disks:  # each node commits its part; the bucket commits the whole (uploader.sync)
+            if not distributed.node_leader():
+                return None
+            mine = [f for written, _, node in results if node == distributed.node() for f in written]
+            meta.update(node=distributed.node(), nodes=distributed.nodes(), save_id=save_id)
+        elif rank == 0:
+            mine = [f for written, _, _ in results for f in written]
+        else:
             return None
-        files = tuple(sorted((f for written, _ in results for f in written), key=lambda f: f.path))
-        manifest = Manifest(step=step, files=files, timer=state.timer.state_dict(), meta={**self.meta, "sharded": True})
+        manifest = Manifest(step=step, files=tuple(sorted(mine, key=lambda f: f.path)), timer=state.timer.state_dict(),
+                            meta=meta)
         return self._commit(staging, manifest, time.perf_counter())
+
+    @staticmethod
+    def _staging_per_node(staging: Path) -> bool:
+        """Make the save's staging folder; True when the nodes have disks of their own (each node then
+        commits its own part), False on one node or a volume every node shares (rank 0 commits it all).
+        Told apart by looking: rank 0 makes the folder, then each node leader sees it, or not."""
+        if distributed.rank() == 0:
+            staging.mkdir(parents=True)
+        distributed.barrier()
+        own = False
+        if distributed.node_leader() and distributed.rank() != 0 and not staging.exists():
+            staging.mkdir(parents=True)
+            own = True
+        (own_disks,) = distributed.agree(own)
+        return own_disks
 
     def _reserved(self) -> None:
         """The buffers are the snapshot's again: a capture never races the reservation."""

@@ -78,7 +78,9 @@ def torchrun_env() -> DistConfig:
                           local_rank=int(env.get("LOCAL_RANK", "0")), master_addr=env.get("MASTER_ADDR", ""),
                           master_port=int(env.get("MASTER_PORT", "0")),
                           attempt=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
-                          agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true")
+                          agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
+                          node_rank=int(env.get("GROUP_RANK", "0")),
+                          local_world_size=int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1"))))
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

@@ -24,6 +24,7 @@ PER_RANK = "per_rank"
 
 _joined = False  # set once this process joins a process group; stays set after shutdown()
 _kept: list[object] = []  # what holds a process group, never freed before os._exit (keep_until_exit)
+_node = (0, 1)  # (this node's rank, number of nodes): nodes have their own disks (job.checkpoint)
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,12 @@ class DistConfig:
     master_port: int = 0
     attempt: int = 0  # torchrun's restart count: each restarted group gets a fresh store namespace
     agent_store: bool = False  # the launcher hosts the store (TORCHELASTIC_USE_AGENT_STORE)
+    node_rank: int = 0  # torchrun's GROUP_RANK: which node (launcher) this process runs on
+    local_world_size: int = 1  # processes per node (LOCAL_WORLD_SIZE)
+
+    @property
+    def nodes(self) -> int:
+        return max(1, self.world_size // max(1, self.local_world_size))
 
     @property
     def enabled(self) -> bool:
@@ -49,9 +56,10 @@ class DistConfig:
 
 def init(cfg: DistConfig, device: str) -> None:
     """Join the process group (env:// rendezvous set up by torchrun): NCCL on GPUs, gloo on CPU."""
-    global _joined
+    global _joined, _node
     if not cfg.enabled or dist.is_initialized():
         return
+    _node = (cfg.node_rank, cfg.nodes)
     _joined = True
     if device == "cuda":
         torch.cuda.set_device(cfg.local_rank)
@@ -109,6 +117,17 @@ def node_leader() -> bool:
     if not dist.is_initialized():
         return True
     return dist.get_node_local_rank(fallback_rank=0) == 0
+
+
+def node() -> int:
+    """This process's node (torchrun's GROUP_RANK); 0 outside torchrun."""
+    return _node[0]
+
+
+def nodes() -> int:
+    """How many nodes the job runs on: each has its own --save-folder, and writes its part of a sharded
+    checkpoint there (job.checkpoint, uploader.sync "Multi-node")."""
+    return _node[1] if dist.is_initialized() else 1
 
 
 def world_size() -> int:

@@ -86,6 +86,10 @@ class RemoteStore:
         """Whether the prefix has a run's history: complete checkpoints, or ones set aside as corrupt."""
         return bool(self.complete_steps() or list_set_aside(self.remote))
 
+    def pull_step(self, folder: Path, step: int) -> LocalCheckpoint | None:
+        """The whole, verified checkpoint of ``step`` in ``folder`` (downloaded unless it is there), or None."""
+        return pull_newest(self.remote, folder, abort=self._abort_pull, set_aside_corrupt=False, step=step)
+
     def start_pull(self, folder: Path) -> Future[LocalCheckpoint | None]:
         """:meth:`pull_if_newer` in a thread, so the download overlaps building the model; ``result()``
         re-raises its errors (AuthError, BucketNotFound) where the caller is ready for them."""

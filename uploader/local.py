@@ -31,7 +31,7 @@ from pathlib import Path
 
 from uploader.exceptions import CorruptCheckpoint, ManifestError, UnsupportedFormat
 from uploader.hashing import fsync_path
-from uploader.manifest import MANIFEST_NAME, Manifest, open_regular
+from uploader.manifest import MANIFEST_NAME, Manifest, node_part, open_regular
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +110,8 @@ def set_aside(ckpt: LocalCheckpoint, reason: str) -> Path | None:
 
 
 def newest_verified(folder: Path, set_aside_corrupt: bool = False) -> tuple[LocalCheckpoint, Manifest] | None:
-    """The newest checkpoint whose files match its manifest; corrupt ones are skipped with a warning
+    """The newest whole checkpoint whose files match its manifest (a node's part of a multi-node one is
+    not resumable alone: uploader.sync commits the whole); corrupt ones are skipped with a warning
     (and renamed out of the way when ``set_aside_corrupt``: the job's start-up); one from a newer
     spot-trainer is refused (UnsupportedFormat)."""
     for ckpt in reversed(list_committed(folder)):
@@ -118,6 +119,9 @@ def newest_verified(folder: Path, set_aside_corrupt: bool = False) -> tuple[Loca
             manifest = ckpt.manifest()
             if manifest.step != ckpt.step:
                 raise ManifestError(f"its manifest is for step {manifest.step}")
+            if node_part(manifest) is not None:
+                logger.debug("%s is one node's part of a multi-node checkpoint, not resumable alone", ckpt.path)
+                continue
             manifest.verify(ckpt.path)
         except UnsupportedFormat as e:
             raise UnsupportedFormat(f"checkpoint {ckpt.path}: {e}") from None

@@ -150,14 +150,15 @@ def set_aside_local(ckpt: LocalCheckpoint, error: Exception) -> None:
 
 
 def pull_newest(remote: Remote, folder: Path, *, abort: threading.Event | None = None,
-                set_aside_corrupt: bool = True) -> LocalCheckpoint | None:
-    """Make the newest complete, verified remote checkpoint a committed local one; None if there is none.
+                set_aside_corrupt: bool = True, step: int | None = None) -> LocalCheckpoint | None:
+    """Make the newest complete, verified remote checkpoint (of ``step``, when given) a committed local
+    one; None if there is none.
 
     If the same step already exists locally and verifies, nothing is downloaded. A remote checkpoint
     that fails verification is skipped, and set aside in the remote when ``set_aside_corrupt`` and the
     credentials allow it (module docstring).
     """
-    for ckpt in reversed([c for c in list_remote(remote) if c.complete]):
+    for ckpt in reversed([c for c in list_remote(remote) if c.complete and step in (None, c.step)]):
         raw = remote.read_bytes(manifest_key(ckpt.name), limit=MAX_MANIFEST_BYTES)
         manifest = _remote_manifest(remote, ckpt, raw)
         if manifest is None:
@@ -406,10 +407,14 @@ def _remote_manifest(remote: Remote, ckpt: RemoteCheckpoint, raw: bytes | None) 
 
 
 def _verified_local(folder: Path, step: int) -> LocalCheckpoint | None:
+    """The local whole checkpoint of ``step`` if it verifies (a node's part is not the whole)."""
     for ckpt in list_committed(folder):
         if ckpt.step == step:
             try:
-                ckpt.manifest().verify(ckpt.path)
+                manifest = ckpt.manifest()
+                if node_part(manifest) is not None:
+                    return None
+                manifest.verify(ckpt.path)
             except (CorruptCheckpoint, ManifestError):
                 return None
             return ckpt
