@@ -1,7 +1,8 @@
 """Issue 18: two nodes without a shared volume, simulated as two torchrun launchers on loopback
 (`--nnodes 2 --node-rank i`), each with its own --save-folder, and a real SeaweedFS. Sharded (FSDP2):
 each node writes its ranks' part to its own disk and uploads it; the bucket holds a complete
-checkpoint only once both parts are there.
+checkpoint only once both parts are there. DDP: rank 0's node writes and uploads the replicated state.
+Then one node of three ranks, on new disks, resumes from the bucket.
 """
 from __future__ import annotations
 
@@ -22,8 +23,10 @@ from uploader.sync import list_remote
 
 pytestmark = [pytest.mark.slow, pytest.mark.s3]
 
-ARGS = ["--sharded", "--model", "tests.support.slow_model:build", "--max-duration", "60ba", "--eval-interval", "1000ba",
-        "--save-interval", "10ba", "--log-interval", "2", "--seed", "5", "--log-format", "json", "--sync-save"]
+# A global batch of 96 (48 x 2 ranks) that 3 ranks can share on the restart.
+ARGS = ["--model", "tests.support.slow_model:build", "--max-duration", "60ba", "--eval-interval", "1000ba",
+        "--save-interval", "10ba", "--log-interval", "2", "--seed", "5", "--log-format", "json", "--sync-save",
+        "--batch-size", "48", "--grad-accum", "2"]
 
 
 def free_port() -> int:
@@ -33,10 +36,10 @@ def free_port() -> int:
 
 
 def node(i: int, nodes: int, endpoint: str, run_id: str, folder: Path, remote: str, env: dict[str, str],
-         per_node: int = 1) -> JobProcess:
+         mode: list[str], per_node: int = 1) -> JobProcess:
     argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--node-rank", str(i),
             "--nproc-per-node", str(per_node), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
-            "--rdzv-id", run_id, "-m", "job", "train", *ARGS, "--save-folder", str(folder), "--remote", remote]
+            "--rdzv-id", run_id, "-m", "job", "train", *ARGS, *mode, "--save-folder", str(folder), "--remote", remote]
     return JobProcess(argv, env=env)
 
 
@@ -56,13 +59,14 @@ def complete(bucket: Bucket) -> list[int]:
         remote.close()
 
 
+@pytest.mark.parametrize("mode", [["--sharded"], []], ids=["sharded", "ddp"])
 def test_two_nodes_without_a_shared_volume_checkpoint_through_the_bucket_and_resume_on_one(
-    tmp_path: Path, s3_bucket: Bucket
+    tmp_path: Path, s3_bucket: Bucket, mode: list[str]
 ) -> None:
     env, remote = s3_job_env(s3_bucket), s3_bucket.url("run")
     endpoint, run_id = f"127.0.0.1:{free_port()}", uuid.uuid4().hex[:8]
     folders = [tmp_path / f"node{i}" for i in range(2)]
-    procs = [node(i, 2, endpoint, run_id, folders[i], remote, env) for i in range(2)]
+    procs = [node(i, 2, endpoint, run_id, folders[i], remote, env, mode) for i in range(2)]
     try:
         procs[0].wait_event("checkpoint", lambda e: e["step"] >= 20, timeout=240)
         for proc in procs:
@@ -75,25 +79,29 @@ def test_two_nodes_without_a_shared_volume_checkpoint_through_the_bucket_and_res
     stopped = [e for p in procs for e in events(p.stderr) if e.get("event") == "preempted"]
     assert len(stopped) >= 1 and len({e["checkpoint_step"] for e in stopped}) == 1, procs[0].stderr[-3000:]
     stop_step = stopped[0]["checkpoint_step"]
-    # Each node holds only its own part: its rank's files (node 0 also the metadata and replicated state).
-    for i, folder in enumerate(folders):
-        part = list_committed(folder)[-1].manifest()
-        assert (part.step, part.meta["node"], part.meta["nodes"]) == (stop_step, i, 2)
-        assert any(f.path == f"__{i}_0.distcp" for f in part.files)
-        assert not any(f.path == f"__{1 - i}_0.distcp" for f in part.files)
-    assert stop_step in complete(s3_bucket)  # the bucket holds the whole of the stop step: both parts
+    assert stop_step in complete(s3_bucket)  # the bucket holds the whole of the stop step
     whole = json.loads(bucket_object(s3_bucket, f"{checkpoint_name(stop_step)}/manifest.json"))
-    assert {"__0_0.distcp", "__1_0.distcp", "dcp-metadata.json"} <= {f["path"] for f in whole["files"]}
-    assert whole["meta"]["nodes"] == 2 and "node" not in whole["meta"]
+    if mode:  # sharded: each node holds only its own part, and the bucket both parts
+        for i, folder in enumerate(folders):
+            part = list_committed(folder)[-1].manifest()
+            assert (part.step, part.meta["node"], part.meta["nodes"]) == (stop_step, i, 2)
+            assert any(f.path == f"__{i}_0.distcp" for f in part.files)
+            assert not any(f.path == f"__{1 - i}_0.distcp" for f in part.files)
+        assert {"__0_0.distcp", "__1_0.distcp", "dcp-metadata.json"} <= {f["path"] for f in whole["files"]}
+        assert whole["meta"]["nodes"] == 2 and "node" not in whole["meta"]
+    else:  # DDP: the replicated state is written once, by rank 0's node; node 1's disk stays empty
+        assert [f["path"] for f in whole["files"]] == ["state.pt"]
+        assert list_committed(folders[1]) == []
 
-    # New disks, one node of 2 ranks: it resumes from the bucket and finishes.
+    # New disks, one node of 3 ranks: it resumes from the bucket (resharded when sharded) and finishes.
     fresh = tmp_path / "fresh"
-    again = node(0, 1, f"127.0.0.1:{free_port()}", uuid.uuid4().hex[:8], fresh, remote, env, per_node=2)
+    again = node(0, 1, f"127.0.0.1:{free_port()}", uuid.uuid4().hex[:8], fresh, remote, env, mode, per_node=3)
     try:
         assert again.wait(300) == 0, again.stderr[-3000:]
     finally:
         again.kill()
     resumed = [e for e in events(again.stderr) if e.get("event") == "resumed"]
     assert resumed and resumed[0]["step"] == stop_step and resumed[0]["source"].startswith(remote)
+    assert (resumed[0]["world_size_was"], resumed[0]["world_size"]) == (2, 3)
     assert max(complete(s3_bucket)) == 60
     assert inspect(fresh)["step"] == 60
