@@ -7,54 +7,16 @@ floating-point order of the gradient reduction differs).
 """
 from __future__ import annotations
 
-import signal
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.support.jobs import JobProcess, events, job_env
+from tests.support.elastic import DATASET, assert_close, final_model, resumed, run
+from tests.support.jobs import events
 from tests.support.recording_model import trained
-from uploader.local import list_committed
 
 pytestmark = pytest.mark.slow
-
-DATASET = 3072  # spirals' training split
-# A global batch of 96 (48 x 2 ranks, micro-batches of 24) divides among 1, 2, 3, 4, 6, 8 ... ranks.
-ARGS = ["--model", "tests.support.recording_model:build", "--data", "tests.support.recording_model:dataset",
-        "--max-duration", "1ep", "--eval-interval", "1ep", "--save-interval", "1000ba", "--log-interval", "2",
-        "--seed", "21", "--log-format", "json", "--lr", "0.01"]
-
-
-def torchrun(ranks: int, folder: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-            "-m", "job", "train", *ARGS, "--save-folder", str(folder), *extra]
-
-
-def run(ranks: int, folder: Path, record: Path, *extra: str, stop_after: int | None = None) -> JobProcess:
-    """One life of the run on ``ranks`` processes; SIGTERM once step ``stop_after`` is logged."""
-    record.mkdir(exist_ok=True)
-    proc = JobProcess(torchrun(ranks, folder, *extra), env=job_env(RECORD_DIR=str(record)))
-    try:
-        if stop_after is not None:
-            proc.wait_event("progress", lambda e: e["step"] >= stop_after, timeout=120)
-            proc.signal(signal.SIGTERM)  # torchrun passes it on to every worker
-        proc.wait(240)
-    finally:
-        proc.kill()
-    return proc
-
-
-def final_model(folder: Path) -> dict[str, torch.Tensor]:
-    newest = list_committed(folder)[-1]
-    return torch.load(newest.path / "state.pt", map_location="cpu", weights_only=True)["model"]
-
-
-def assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.allclose(a[name], b[name], rtol=1e-3, atol=1e-5), (name, (a[name] - b[name]).abs().max())
 
 
 @pytest.fixture(scope="module")
@@ -70,10 +32,6 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[st
     return out
 
 
-def resumed_events(proc: JobProcess) -> list[dict]:
-    return [e for e in events(proc.stderr) if e.get("event") == "resumed"]
-
-
 def test_2_then_1_then_3_ranks_train_every_sample_once_and_end_close(tmp_path: Path, uninterrupted) -> None:
     folder, record = tmp_path / "ck", tmp_path / "record"
     first = run(2, folder, record, "--batch-size", "48", "--grad-accum", "2", stop_after=6)
@@ -84,8 +42,7 @@ def test_2_then_1_then_3_ranks_train_every_sample_once_and_end_close(tmp_path: P
     third = run(3, folder, record, "--batch-size", "48", "--grad-accum", "2", "--num-workers", "2")
     assert third.proc.returncode == 0, third.stderr[-3000:]
 
-    assert [(e["world_size_was"], e["world_size"]) for e in resumed_events(second) + resumed_events(third)] == [
-        (2, 1), (1, 3)]
+    assert resumed(second, third) == [(2, 1), (1, 3)]
     assert sorted(trained(record)) == list(range(DATASET))  # every sample of the epoch exactly once
     assert_close(final_model(folder), uninterrupted[2])
 
@@ -95,7 +52,7 @@ def test_1_then_2_ranks_mid_epoch(tmp_path: Path, uninterrupted) -> None:
     run(1, folder, record, "--batch-size", "96", "--grad-accum", "4", stop_after=10)
     done = run(2, folder, record, "--batch-size", "96", "--grad-accum", "4")
     assert done.proc.returncode == 0, done.stderr[-3000:]
-    assert [(e["world_size_was"], e["world_size"]) for e in resumed_events(done)] == [(1, 2)]
+    assert resumed(done) == [(1, 2)]
     assert sorted(trained(record)) == list(range(DATASET))
     assert_close(final_model(folder), uninterrupted[1])
 

@@ -11,8 +11,6 @@ import io
 import json
 import pickle
 import shutil
-import signal
-import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -24,14 +22,13 @@ from job.exceptions import CheckpointLoadError
 from job.sharded import by_id
 from tests.job.test_checkpoint import _Exploit
 from tests.support.jobs import REPO, JobProcess, events, inspect, job_env, run_job, train_config
+from tests.support.elastic import DATASET, TORCHRUN, assert_close, final_model, preempted, resumed, run
 from tests.support.recording_model import trained
 from uploader.hashing import BLOCK_SIZE, file_digest
 from uploader.local import list_committed
 from uploader.manifest import DCP_METADATA, MANIFEST_NAME, FileEntry, Manifest
 
 pytestmark = pytest.mark.slow
-
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 
 
 def twins(ranks: int, *args: str) -> JobProcess:
@@ -235,47 +232,6 @@ def test_a_pickled_metadata_file_fails_inspect_and_a_resume_with_exit_6(saved: P
 
 
 # -- resuming whole runs on other rank counts -------------------------------------------------------
-
-DATASET = 3072
-# The recording model has no dropout (results on any rank count differ only by floating-point order)
-# and writes down every sample it trains on. A global batch of 96 divides among 1, 2 and 3 ranks.
-ARGS = ["--model", "tests.support.recording_model:build", "--data", "tests.support.recording_model:dataset",
-        "--max-duration", "1ep", "--eval-interval", "1ep", "--save-interval", "1000ba", "--log-interval", "2",
-        "--seed", "21", "--log-format", "json", "--lr", "0.01"]
-
-
-def run(ranks: int, folder: Path, record: Path, *extra: str, stop_after: int | None = None) -> JobProcess:
-    """One life of the run on ``ranks`` processes; SIGTERM once step ``stop_after`` is logged."""
-    record.mkdir(exist_ok=True)
-    proc = JobProcess([*TORCHRUN, "--nproc-per-node", str(ranks), "-m", "job", "train", *ARGS, "--save-folder",
-                       str(folder), *extra], env=job_env(RECORD_DIR=str(record)))
-    try:
-        if stop_after is not None:
-            proc.wait_event("progress", lambda e: e["step"] >= stop_after, timeout=120)
-            proc.signal(signal.SIGTERM)  # torchrun passes it on to every worker
-        proc.wait(240)
-    finally:
-        proc.kill()
-    return proc
-
-
-def final_model(folder: Path) -> dict[str, torch.Tensor]:
-    path, manifest = open_checkpoint(folder)
-    return load_state_file(path, manifest)["model"]
-
-
-def assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.allclose(a[name], b[name], rtol=1e-3, atol=1e-5), (name, (a[name] - b[name]).abs().max())
-
-
-def preempted(proc: JobProcess) -> bool:
-    return any(e.get("event") == "preempted" for e in events(proc.stderr))
-
-
-def resumed(*procs: JobProcess) -> list[tuple[int, int]]:
-    return [(e["world_size_was"], e["world_size"]) for p in procs for e in events(p.stderr) if e.get("event") == "resumed"]
 
 
 @pytest.fixture(scope="module")
