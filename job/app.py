@@ -244,7 +244,7 @@ def resume(state: State, cfg: CheckpointConfig, checkpointer: Checkpointer, meta
     kind, payload, source, ckpt_meta, step = loaded
     if kind == "sharded" and distributed.nodes() > 1:  # every node reads the whole from its own disk
         if distributed.node_leader() and distributed.rank() != 0:
-            _whole_on_this_node(store, Path(payload[0]).parent, step, source)
+            _whole_on_this_node(store, Path(payload[0]).parent, step, source, pulling)
         distributed.barrier()
     tree = load_shard(Path(payload[0]), payload[1], state) if kind == "sharded" else payload
     handover = elastic.for_this_rank(tree, distributed.rank(), distributed.world_size(),
@@ -256,9 +256,12 @@ def resume(state: State, cfg: CheckpointConfig, checkpointer: Checkpointer, meta
     return ckpt_meta
 
 
-def _whole_on_this_node(store: RemoteStore | None, folder: Path, step: int, source: str) -> None:
+def _whole_on_this_node(store: RemoteStore | None, folder: Path, step: int, source: str,
+                        pulling: Future[LocalCheckpoint | None] | None) -> None:
     """The whole checkpoint rank 0 chose, in this node's folder: already there (a shared volume, or
-    pulled before), else pulled from the remote, verified as any pull."""
+    this node's own start-up pull, which ran alongside rank 0's), else pulled from the remote now."""
+    if pulling is not None:
+        pulling.result()  # the same folder: never two pulls at once
     pulled = store.pull_step(folder, step) if store is not None else None
     if pulled is None and not any(c.step == step and c.manifest().meta.get("node") is None
                                   for c in local.list_committed(folder)):
@@ -330,8 +333,8 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
         claim_folder(ckpt_cfg.folder)
     store = RemoteStore(remote_cfg) if (leader or node_uploads) and remote_cfg is not None and remote_cfg.url else None
     # The newest remote checkpoint downloads while the model is built: a resume waits for the larger one.
-    pulling = (store.start_pull(ckpt_cfg.folder) if leader and store is not None and ckpt_cfg.resume == "auto"
-               else None)
+    # Every node that keeps its own part pulls too, at the same time: each needs the whole to resume.
+    pulling = store.start_pull(ckpt_cfg.folder) if store is not None and ckpt_cfg.resume == "auto" else None
     checkpointer: Checkpointer | None = None
     failed = False
     try:

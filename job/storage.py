@@ -15,7 +15,7 @@ from pathlib import Path
 
 from uploader.config import UploadConfig
 from uploader.exceptions import TransientStorageError
-from uploader.local import LocalCheckpoint, list_committed
+from uploader.local import LocalCheckpoint, is_node_part, list_committed
 from uploader.probe import check_writable
 from uploader.remote import Remote, check_url, open_remote
 from uploader.sync import list_remote, list_set_aside, newest_complete, pull_newest
@@ -68,8 +68,8 @@ class RemoteStore:
         before any training.
         """
         newest = newest_complete(self.remote)
-        if than is None:
-            local = list_committed(folder)
+        if than is None:  # a node's part of a multi-node checkpoint is not the whole: it does not count
+            local = [c for c in list_committed(folder) if not is_node_part(c)]
             than = local[-1].step if local else -1
         if newest is None or newest[0] <= than:
             return None

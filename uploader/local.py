@@ -83,6 +83,15 @@ def list_committed(folder: Path) -> list[LocalCheckpoint]:
     return sorted(found, key=lambda c: c.step)
 
 
+def is_node_part(ckpt: LocalCheckpoint) -> bool:
+    """Whether ``ckpt`` is one node's part of a multi-node checkpoint (never resumable alone); an
+    unreadable manifest counts as not (verification deals with it)."""
+    try:
+        return node_part(ckpt.manifest()) is not None
+    except (CorruptCheckpoint, ManifestError):
+        return False
+
+
 def list_set_aside(folder: Path) -> list[Path]:
     """Checkpoints set aside after failing verification (:func:`set_aside`), by name."""
     if not folder.is_dir():
