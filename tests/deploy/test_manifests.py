@@ -299,7 +299,8 @@ def assert_valid(obj: dict[str, Any], where: str) -> None:
 
 
 def test_layout_has_base_and_overlays() -> None:
-    expected = {"k8s/base", "k8s/overlays/pvc", "k8s/overlays/dev-minio", "k8s/overlays/multinode"}
+    expected = {"k8s/base", "k8s/overlays/pvc", "k8s/overlays/dev-minio", "k8s/overlays/multinode",
+                "k8s/overlays/multinode-fsdp"}
     assert expected <= {rel(p) for p in KUSTOMIZATION_DIRS}
     assert SECRET_EXAMPLE.is_file()
 
@@ -365,6 +366,16 @@ def readme_section(title: str) -> str:
     start = text.index(f"\n## {title}\n")
     end = text.find("\n## ", start + 1)
     return text[start:end if end != -1 else len(text)]
+
+
+def test_readme_kubernetes_table_lists_every_kustomization() -> None:
+    """Each folder `kubectl apply -k` can take is in the table; each JobSet one says what it needs."""
+    section = readme_section("Kubernetes")
+    listed = re.findall(r"^\| `(k8s/[^`]+)` \|", section, re.M)
+    assert sorted(listed) == sorted(rel(p) for p in KUSTOMIZATION_DIRS), listed
+    for folder in JOBSET_KUSTOMIZATIONS:
+        notes = re.findall(rf"^- `{re.escape(rel(folder))}` ([^\n]*(?:\n  [^\n]*)*)", section, re.M)
+        assert notes and "JobSet controller" in notes[0], f"README, Kubernetes: no note on {rel(folder)}"
 
 
 def readme_user_overlay() -> str:
@@ -459,12 +470,14 @@ def test_pod_restart_policy_is_never(workloads: list[Workload]) -> None:
         assert w.job["spec"].get("podReplacementPolicy", "Failed") == "Failed", w.where
 
 
-def pod_failure_action(job: dict[str, Any], condition: str | None, exit_code: int) -> tuple[str, int | None, str]:
-    """The podFailurePolicy rule a failed pod matches: (action, rule index, what matched)."""
+def pod_failure_action(job: dict[str, Any], condition: str | None,
+                       exit_code: int | None) -> tuple[str, int | None, str]:
+    """The podFailurePolicy rule a failed pod matches: (action, rule index, what matched). A pod of a
+    lost node has no exit code (None): only the condition rules can match it."""
     for index, rule in enumerate(job["spec"].get("podFailurePolicy", {}).get("rules", [])):
         assert rule["action"] in {"Ignore", "FailJob", "Count", "FailIndex"}, rule
         codes = rule.get("onExitCodes")
-        if codes is not None:
+        if codes is not None and exit_code is not None:
             assert codes["operator"] in {"In", "NotIn"}, rule
             listed = exit_code in codes["values"]
             if codes.get("containerName") in (None, "job") and listed == (codes["operator"] == "In"):
@@ -473,6 +486,21 @@ def pod_failure_action(job: dict[str, Any], condition: str | None, exit_code: in
             if pattern["type"] == condition and pattern.get("status", "True") == "True":
                 return rule["action"], index, "condition"
     return "Count", None, ""
+
+
+def child_job_failure(job: dict[str, Any], condition: str | None, exit_code: int | None) -> tuple[str, str] | None:
+    """The reason and message of the Failed condition the Job gets for this pod failure, or None when the
+    Job replaces the pod instead (an Ignore rule, or counted within backoffLimit)."""
+    action, index, matched = pod_failure_action(job, condition, exit_code)
+    if action == "Ignore" or (action == "Count" and job["spec"].get("backoffLimit", 6) > 0):
+        return None
+    if action == "FailJob":
+        # The Job controller's condition message, which JobSet rules match against.
+        cause = (f"Pod ns/pod has condition {condition}" if matched == "condition"
+                 else f"Container job for pod ns/pod failed with exit code {exit_code}")
+        return "PodFailurePolicy", f"{cause} matching FailJob rule at index {index}"
+    assert action == "Count", f"{action}: not simulated here"
+    return "BackoffLimitExceeded", "Job has reached the specified backoff limit"
 
 
 JOBSET_ACTIONS = {
@@ -484,31 +512,31 @@ JOBSET_ACTIONS = {
 }
 
 
-def failure_outcome(w: Workload, condition: str | None, exit_code: int) -> str:
-    """free: retried without limit; counted: retried within a limit; fatal: the run stops."""
-    action, index, matched = pod_failure_action(w.job, condition, exit_code)
-    if action == "Ignore":
-        return "free"
-    if action == "Count" and w.job["spec"].get("backoffLimit", 6) > 0:
-        return "counted"
-    if action == "FailJob":
-        reason = "PodFailurePolicy"
-        # The Job controller's condition message, which JobSet rules match against.
-        cause = (f"Pod ns/pod has condition {condition}" if matched == "condition"
-                 else f"Container job for pod ns/pod failed with exit code {exit_code}")
-        message = f"{cause} matching FailJob rule at index {index}"
-    else:
-        reason, message = "BackoffLimitExceeded", "Job has reached the specified backoff limit"
-    if w.jobset is None:
-        return "fatal"
-    policy = w.jobset["spec"].get("failurePolicy", {})
-    for rule in policy.get("rules", []):
+def jobset_action(w: Workload, reason: str, message: str) -> str:
+    """The JobSet failurePolicy action for a failed child Job: the first matching rule's, else RestartJobSet."""
+    assert w.jobset is not None, w.where
+    for rule in w.jobset["spec"].get("failurePolicy", {}).get("rules", []):
         if ((not rule.get("onJobFailureReasons") or reason in rule["onJobFailureReasons"])
                 and (not rule.get("onJobFailureMessagePatterns")
                      or any(re.search(p, message) for p in rule["onJobFailureMessagePatterns"]))
                 and (not rule.get("targetReplicatedJobs") or w.replicated_job in rule["targetReplicatedJobs"])):
-            return JOBSET_ACTIONS[rule["action"]]
-    return "counted" if policy.get("maxRestarts", 0) > 0 else "fatal"
+            return rule["action"]
+    return "RestartJobSet"
+
+
+def failure_outcome(w: Workload, condition: str | None, exit_code: int | None) -> str:
+    """free: retried without limit; counted: retried within a limit; fatal: the run stops."""
+    if pod_failure_action(w.job, condition, exit_code)[0] == "Ignore":
+        return "free"
+    failure = child_job_failure(w.job, condition, exit_code)
+    if failure is None:
+        return "counted"
+    if w.jobset is None:
+        return "fatal"
+    outcome = JOBSET_ACTIONS[jobset_action(w, *failure)]
+    if outcome == "counted" and w.jobset["spec"].get("failurePolicy", {}).get("maxRestarts", 0) == 0:
+        return "fatal"
+    return outcome
 
 
 FAILURES = (
@@ -667,9 +695,35 @@ JOBSET_FIELDS = {
 }
 
 
-def test_jobset_uses_only_fields_of_its_api_and_matches_torchrun() -> None:
-    """The schemas cannot check a custom resource: its fields are checked against JobSet v1alpha2 here."""
-    (jobset,) = [o for o in load_docs(K8S / "overlays" / "multinode" / "jobset.yaml") if o["apiVersion"] == JOBSET_API]
+# Every kustomization that renders a JobSet; test_every_jobset_is_checked keeps this list complete.
+JOBSET_KUSTOMIZATIONS = [K8S / "overlays" / "multinode", K8S / "overlays" / "multinode-fsdp"]
+
+
+def rendered_jobsets(folder: Path) -> list[dict[str, Any]]:
+    return [o for o in render(folder) if o["apiVersion"] == JOBSET_API]
+
+
+def test_every_jobset_is_checked() -> None:
+    assert {rel(p) for p in KUSTOMIZATION_DIRS if rendered_jobsets(p)} == {rel(p) for p in JOBSET_KUSTOMIZATIONS}
+
+
+def torchrun_call(container: dict[str, Any]) -> tuple[dict[str, str], list[str]]:
+    """torchrun's own options (all --name=value) and the arguments it passes to `python -m job train`."""
+    assert container.get("command") == ["torchrun"], container.get("command")
+    args = container["args"]
+    assert "-m" in args, args
+    start = args.index("-m")
+    assert args[start + 1:start + 3] == ["job", "train"], args
+    options = args[:start]
+    assert all(a.startswith("--") and "=" in a for a in options), options
+    return dict(a.split("=", 1) for a in options), args[start + 3:]
+
+
+@pytest.mark.parametrize("folder", JOBSET_KUSTOMIZATIONS, ids=[rel(p) for p in JOBSET_KUSTOMIZATIONS])
+def test_jobset_uses_only_fields_of_its_api_and_matches_torchrun(folder: Path) -> None:
+    """The schemas cannot check a custom resource: its fields are checked against JobSet v1alpha2 here,
+    and torchrun's rendezvous against the pods the JobSet creates."""
+    (jobset,) = rendered_jobsets(folder)
     spec = jobset["spec"]
     assert jobset["kind"] == "JobSet" and set(spec) <= JOBSET_FIELDS["spec"]
     assert set(spec["network"]) <= JOBSET_FIELDS["network"] and spec["network"]["enableDNSHostnames"] is True
@@ -679,16 +733,160 @@ def test_jobset_uses_only_fields_of_its_api_and_matches_torchrun() -> None:
     for rule in spec["failurePolicy"]["rules"]:
         assert set(rule) <= JOBSET_FIELDS["rule"] and rule["action"] in JOBSET_ACTIONS
         assert re.fullmatch(r"[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?", rule["name"])
+    nodes, nnodes = 0, set()
     for rjob in spec["replicatedJobs"]:
         assert set(rjob) <= JOBSET_FIELDS["replicatedJob"]
+        # The completion index alone is each pod's node rank: unique only within one Job.
+        assert rjob.get("replicas", 1) == 1, f"{rel(folder)}: node ranks would repeat across {rjob['replicas']} Jobs"
         job = rjob["template"]["spec"]
         (main,) = job["template"]["spec"]["containers"]
-        args = dict(a.split("=", 1) for a in main["args"] if a.startswith("--") and "=" in a)
-        assert main["command"] == ["torchrun"] and main["args"][-3:] == ["-m", "job", "train"]
+        options, _ = torchrun_call(main)
         assert job["completionMode"] == "Indexed"
-        assert int(args["--nnodes"]) == job["completions"] == job["parallelism"]
+        assert int(options["--nnodes"]) == job["completions"] == job["parallelism"]
+        nnodes.add(int(options["--nnodes"]))
+        nodes += job["parallelism"]
         subdomain = spec["network"].get("subdomain", jobset["metadata"]["name"])
-        assert args["--master-addr"] == f"{jobset['metadata']['name']}-{rjob['name']}-0-0.{subdomain}"
+        assert options["--master-addr"] == f"{jobset['metadata']['name']}-{rjob['name']}-0-0.{subdomain}"
+        assert options["--node-rank"] == "$(NODE_RANK)"
+        (rank,) = [v for v in main["env"] if v["name"] == "NODE_RANK"]
+        assert rank["valueFrom"]["fieldRef"]["fieldPath"] == (
+            "metadata.annotations['batch.kubernetes.io/job-completion-index']")
+        assert int(options["--master-port"]) in {p["containerPort"] for p in main.get("ports", [])}
+    assert nnodes == {nodes}, f"{rel(folder)}: torchrun --nnodes {nnodes}, {nodes} pods in the set"
+
+
+# ---------------------------------------------------------------------------------------------
+# k8s/overlays/multinode-fsdp: sharded training, every node uploading its own part
+# ---------------------------------------------------------------------------------------------
+
+FSDP = K8S / "overlays" / "multinode-fsdp"
+
+
+def fsdp_workload(objects: list[dict[str, Any]]) -> Workload:
+    """The overlay's one training workload, a JobSet's Job."""
+    (w,) = training_workloads(objects, rel(FSDP))
+    assert w.jobset is not None, f"{w.where}: expected a JobSet"
+    return w
+
+
+def job_train_params(w: Workload) -> dict[str, Any]:
+    """What `job train` in the job container runs with: its arguments (after torchrun's `-m job train`, or
+    the image's `job` entrypoint's `train`) over its environment, parsed by the real CLI."""
+    from unittest import mock
+
+    from job.cli import cli as job_cli
+
+    container = w.container("job")
+    env = {k: v for k, v in w.env("job").items() if v is not None}
+    if container.get("command"):
+        _, args = torchrun_call(container)
+    else:
+        assert container["args"][:1] == ["train"], container["args"]
+        args = container["args"][1:]
+    # The kubelet expands $(VAR) from the container's environment.
+    args = [re.sub(r"(?<!\$)\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), a) for a in args]
+    with mock.patch.dict(os.environ, env, clear=True):
+        return job_cli.commands["train"].make_context("train", args).params
+
+
+def mounted_volume(pod: dict[str, Any], container: dict[str, Any], path: str | Path) -> dict[str, Any]:
+    """The pod volume the container mounts at exactly this path."""
+    names = [m["name"] for m in container.get("volumeMounts", []) if m["mountPath"] == str(path)]
+    assert len(names) == 1, f"{container['name']}: nothing mounted at {path}"
+    (volume,) = [v for v in pod["volumes"] if v["name"] == names[0]]
+    return volume
+
+
+def test_fsdp_trains_sharded_under_torchrun_on_every_node() -> None:
+    """`job train --sharded` (or JOB_SHARDED), its checkpoints left to the sidecars, on as many torchrun
+    nodes as the JobSet runs pods: 2 by default."""
+    w = fsdp_workload(render(FSDP))
+    params = job_train_params(w)
+    assert params["sharded"] is True, f"{w.where}: not sharded"
+    assert params["upload"] == "sidecar", f"{w.where}: --upload {params['upload']}: the sidecars upload"
+    options, _ = torchrun_call(w.container("job"))
+    (rjob,) = w.jobset["spec"]["replicatedJobs"]
+    pods = rjob.get("replicas", 1) * w.job["spec"]["parallelism"]
+    assert int(options["--nnodes"]) == pods == w.job["spec"]["completions"] == 2, (options, pods)
+
+
+def test_fsdp_every_pod_checkpoints_to_its_own_emptydir() -> None:
+    """Node-local disk for every pod: no PersistentVolumeClaim, no shared volume of any kind."""
+    objects = render(FSDP)
+    w = fsdp_workload(objects)
+    assert not [o for o in objects if o["kind"] == "PersistentVolumeClaim"]
+    assert "volumeClaimPolicies" not in w.jobset["spec"], "the JobSet would give the pods a claim"
+    save_folder = job_train_params(w)["save_folder"]
+    volume = mounted_volume(w.pod, w.container("job"), save_folder)
+    assert set(volume) == {"name", "emptyDir"}, f"{w.where}: {save_folder} is on {volume}"
+    assert volume["emptyDir"].get("medium", "") == "", f"{w.where}: checkpoints on disk, not in memory"
+    for v in w.pod["volumes"]:
+        assert set(v) == {"name", "emptyDir"}, f"{w.where}: volume {v} is not the pod's own emptyDir"
+
+
+def same_source(var: dict[str, Any], other: dict[str, Any]) -> bool:
+    """Both variables come from the same literal or the same ConfigMap / Secret key."""
+    return {k: v for k, v in var.items() if k != "name"} == {k: v for k, v in other.items() if k != "name"}
+
+
+def test_fsdp_every_pod_has_its_own_native_sidecar_uploader() -> None:
+    """One `uploader watch` per pod, from the uploader image, on the job's folder and remote, with the
+    base's storage settings (bucket, addressing, endpoint, region, credentials) for both containers."""
+    w = fsdp_workload(render(FSDP))
+    params = job_train_params(w)
+    sidecars = [c for c in w.pod.get("initContainers", []) if c.get("restartPolicy") == "Always"]
+    assert [c["name"] for c in sidecars] == ["uploader"], f"{w.where}: native sidecars {sidecars}"
+    (uploader,) = sidecars
+    assert image_name(uploader["image"]) == UPLOADER_IMAGE, uploader["image"]
+    assert uploader["command"] == ["uploader"] and uploader["args"][0] == "watch", uploader
+    folder, remote = uploader["args"][1:3]
+    uploader_env = w.env("uploader")
+    assert re.sub(r"\$\((\w+)\)", lambda m: uploader_env[m.group(1)], remote) == params["remote"], remote
+    assert (mounted_volume(w.pod, uploader, folder)["name"]
+            == mounted_volume(w.pod, w.container("job"), params["save_folder"])["name"])
+    assert uploader_env["UPLOADER_ADDRESSING"] == params["addressing"]
+
+    (base,) = training_workloads(render(K8S / "base"), "k8s/base")
+    for name in ("job", "uploader"):
+        ours = {v["name"]: v for v in w.container(name).get("env", [])}
+        theirs = {v["name"]: v for v in base.container(name).get("env", [])}
+        assert {n for n in ours if n.startswith("UPLOADER_")} == {n for n in theirs if n.startswith("UPLOADER_")}
+        for var in theirs.values():
+            if "valueFrom" in var:
+                assert var["name"] in ours and same_source(ours[var["name"]], var), f"{name}: {var['name']}"
+        assert w.container(name).get("envFrom") == base.container(name).get("envFrom"), name
+
+
+PREEMPTIONS = [("DisruptionTarget", None), *(("DisruptionTarget", c) for c in (EXIT_PREEMPTED, 137, 143)),
+               (None, EXIT_PREEMPTED)]
+
+
+def test_fsdp_a_lost_node_restarts_the_whole_set() -> None:
+    """No pod is ever replaced alone (the survivors could not go on without it): its Job fails at once and
+    the JobSet recreates every pod. A lost node or a preemption restarts it for free, as in the multinode
+    overlay; bad configuration fails the set; anything else restarts it within maxRestarts."""
+    w = fsdp_workload(render(FSDP))
+    policy = w.jobset["spec"]["failurePolicy"]
+    assert w.job["spec"]["backoffLimit"] == 0, w.where
+    assert policy["restartStrategy"] == "BlockingRecreate", "the old sidecars must be gone before new pods start"
+    assert policy["maxRestarts"] >= 1
+    scenarios = ([(c, e, "RestartJobSetAndIgnoreMaxRestarts") for c, e in PREEMPTIONS]
+                 + [(None, e, "FailJobSet") for e in EXIT_FATAL] + [(None, e, "RestartJobSet") for e in EXIT_RETRIED])
+    for condition, exit_code, expected in scenarios:
+        failure = child_job_failure(w.job, condition, exit_code)
+        assert failure is not None, f"{condition}, exit {exit_code}: the Job would replace the pod alone"
+        assert jobset_action(w, *failure) == expected, (condition, exit_code, failure)
+
+
+def test_fsdp_keeps_the_restricted_pod_security_of_the_base() -> None:
+    """The pod's and every container's securityContext exactly as in the base; nothing of the host's."""
+    w = fsdp_workload(render(FSDP))
+    (base,) = training_workloads(render(K8S / "base"), "k8s/base")
+    assert w.pod["securityContext"] == base.pod["securityContext"]
+    for c in all_containers(w.pod):
+        assert c["securityContext"] == base.container(c["name"])["securityContext"], c["name"]
+    for field in ("hostNetwork", "hostPID", "hostIPC"):
+        assert not w.pod.get(field), field
 
 
 @functools.cache
