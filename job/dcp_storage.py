@@ -51,7 +51,7 @@ from torch.futures import Future
 from job.exceptions import CheckpointLoadError, CheckpointWriteError
 from job.safe_load import clip, first_line, load_weights_only
 from uploader.hashing import BLOCK_SIZE, digest_bytes
-from uploader.manifest import DCP_DATA_RE, DCP_METADATA, FileEntry, Manifest, open_regular
+from uploader.manifest import DCP_DATA_RE, DCP_METADATA, FileEntry, Manifest, open_regular, strict_json
 
 FORMAT = "spot-trainer/dcp-metadata"
 FORMAT_VERSION = 1
@@ -199,11 +199,9 @@ class _Decoder:
         if len(data) > MAX_METADATA_BYTES:
             raise _Invalid(f"larger than {MAX_METADATA_BYTES} bytes")
         try:
-            doc = json.loads(data, parse_constant=_refuse_constant)
-        except (ValueError, UnicodeDecodeError) as e:
+            doc = strict_json(data)
+        except ValueError as e:
             raise _Invalid(f"not JSON: {clip(str(e), 120)}") from None
-        except RecursionError:
-            raise _Invalid("not JSON: nested too deeply") from None
         _fields(doc, "the document", {"format", "format_version", "dcp_version", "items"})
         if doc["format"] != FORMAT or type(doc["format_version"]) is not int or doc["format_version"] != FORMAT_VERSION:
             raise _Invalid(f"not {FORMAT} version {FORMAT_VERSION}: {_short(doc['format'])} {_short(doc['format_version'])}")
@@ -346,10 +344,6 @@ def _check_paths(paths: Mapping[str, tuple[str | int, ...]]) -> None:
             kind = type(path[depth])
             if containers.setdefault(prefix, kind) is not kind:
                 raise _Invalid(f"{_short(key)}: {_short('.'.join(map(str, prefix)))} is both a dict and a list")
-
-
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a number JSON allows")
 
 
 def _short(value: Any) -> str:

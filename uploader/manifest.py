@@ -133,11 +133,9 @@ class Manifest:
         if len(data) > MAX_MANIFEST_BYTES:
             raise ManifestError(f"manifest is larger than {MAX_MANIFEST_BYTES} bytes")
         try:
-            doc = json.loads(data, parse_constant=_refuse_constant)
-        except (ValueError, UnicodeDecodeError) as e:
+            doc = strict_json(data)
+        except ValueError as e:
             raise ManifestError(f"manifest is not valid JSON: {e}") from None
-        except RecursionError:
-            raise ManifestError("manifest is not valid JSON: nested too deeply") from None
         if not isinstance(doc, dict):
             raise ManifestError("manifest is not a JSON object")
         version = doc.get("format_version")
@@ -241,6 +239,17 @@ def lstat_inside(folder: Path, relpath: str) -> os.stat_result:
         if i < len(parts) - 1 and not stat.S_ISDIR(st.st_mode):
             raise NotADirectoryError(errno.ENOTDIR, "not a folder", str(current))
     return st
+
+
+def strict_json(data: bytes | str) -> Any:
+    """JSON from an untrusted file: no NaN or Infinity, and nesting too deep for the parser is a
+    ValueError like any other malformed document, never a RecursionError."""
+    try:
+        return json.loads(data, parse_constant=_refuse_constant)
+    except UnicodeDecodeError as e:
+        raise ValueError(str(e)) from None
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
 
 
 def _refuse_constant(name: str) -> Any:
