@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.faultproxy import FaultProxy
 from tests.support.jobs import JobProcess, events, inspect, s3_job_env
+from tests.support.polling import wait_until
 from tests.support.s3server import Bucket, fast_config
 from uploader.local import checkpoint_name, list_committed
 from uploader.remote import open_remote
@@ -105,3 +107,36 @@ def test_two_nodes_without_a_shared_volume_checkpoint_through_the_bucket_and_res
     assert (resumed[0]["world_size_was"], resumed[0]["world_size"]) == (2, 3)
     assert max(complete(s3_bucket)) == 60
     assert inspect(fresh)["step"] == 60
+
+
+def test_a_node_killed_while_it_uploads_never_leaves_that_step_complete(
+    tmp_path: Path, s3_bucket: Bucket, fault_proxy: FaultProxy
+) -> None:
+    """Node 1 reaches the bucket through a link that turns slow once step 10 is complete: its part of
+    step 20 is still on its way when both nodes are SIGKILLed. Step 20 must not be complete, and a
+    restart resumes from step 10."""
+    env, remote = s3_job_env(s3_bucket), s3_bucket.url("run")
+    slow_env = {**env, "JOB_ENDPOINT_URL": fault_proxy.endpoint_url}
+    endpoint, run_id = f"127.0.0.1:{free_port()}", uuid.uuid4().hex[:8]
+    procs = [node(i, 2, endpoint, run_id, tmp_path / f"node{i}", remote, (env, slow_env)[i], ["--sharded"])
+             for i in range(2)]
+    try:
+        wait_until(lambda: 10 in complete(s3_bucket), timeout=240, interval=0.5, what="step 10 complete in the bucket")
+        fault_proxy.delay(0.5)  # from now on node 1's uploads crawl
+        procs[0].wait_event("checkpoint", lambda e: e["step"] >= 20, timeout=240)
+        for proc in reversed(procs):
+            proc.kill()  # SIGKILL, launcher and workers: no goodbye
+    finally:
+        for proc in procs:
+            proc.kill()
+        fault_proxy.passthrough()
+    assert 20 not in complete(s3_bucket) and max(complete(s3_bucket)) == 10
+
+    again = node(0, 1, f"127.0.0.1:{free_port()}", uuid.uuid4().hex[:8], tmp_path / "fresh", remote, env,
+                 ["--sharded"], per_node=2)
+    try:
+        assert again.wait(300) == 0, again.stderr[-3000:]
+    finally:
+        again.kill()
+    resumed = [e for e in events(again.stderr) if e.get("event") == "resumed"]
+    assert [e["step"] for e in resumed] == [10]
