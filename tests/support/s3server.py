@@ -30,6 +30,7 @@ from botocore.config import Config
 from uploader.config import MIN_PART_SIZE, UploadConfig
 
 LOOPBACK = "127.0.0.1"
+MAX_VOLUMES = 2000  # volumes are sparse files: a limit far above the buckets a test session creates
 GRPC_OFFSET = 10_000
 GRPC_SOCKET_DIR = "/tmp"
 
@@ -162,6 +163,10 @@ class SeaweedFS:
             "-master.telemetry=false",
             "-webdav=false",
             "-volume.preStopSeconds=0",
+            # One volume per bucket (a collection each): without a limit of our own, weed sizes it from
+            # free disk / 1 GiB (74 here), and a session of tests creates more buckets than that: writes
+            # to the later ones failed with InternalError ("no free volumes left").
+            f"-volume.max={MAX_VOLUMES}",
             f"-filer.localSocket={self.workdir / 'filer.sock'}",
             f"-s3.localSocket={self.workdir / 's3.sock'}",
         ]

@@ -26,3 +26,21 @@ def test_a_taken_port_at_first_start_picks_new_ports(tmp_path: Path) -> None:
         finally:
             server.stop()
             shutil.rmtree(server.workdir, ignore_errors=True)
+
+
+def test_a_session_takes_writes_to_more_buckets_than_weeds_automatic_volume_limit(tmp_path: Path) -> None:
+    """Each bucket is a collection with a volume of its own. weed sizes its volume count from the free
+    disk (74 volumes on a 75 GiB disk), and a session of tests creates more buckets than that: writes to
+    the later ones failed with InternalError ("no free volumes left"), the last tests of a run only."""
+    weed = weed_binary()
+    if weed is None:
+        pytest.skip("SeaweedFS's weed binary is not installed")
+    server = SeaweedFS(weed, tmp_path / "seaweedfs")
+    server.start()
+    try:
+        client = server.client()
+        for _ in range(100):
+            client.put_object(Bucket=server.create_bucket(), Key="ckpt/state.pt", Body=b"x" * 1000)
+    finally:
+        server.stop()
+        shutil.rmtree(server.workdir, ignore_errors=True)
