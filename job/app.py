@@ -8,29 +8,25 @@ from __future__ import annotations
 import logging
 import math
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
 
 from job.build import build, refit_schedule
 from job import distributed, elastic
-from job.checkpoint import Checkpointer, check_settings, claim_folder, load_shard, load_state_file, open_checkpoint, restore
-from job.exceptions import CheckpointLoadError
+from job.checkpoint import Checkpointer, claim_folder
 from job.config import CheckpointConfig, TrainConfig
 from job.exceptions import ConfigError
 from job.logs import event
 from job.loop import Trainer, unwrap
+from job.resume import check_new_run, resume
 from job.signals import StopRequest
 from job.spot import SpotWatcher
 from job.storage import RemoteConfig, RemoteStore
 from state import State, TimeUnit
 from uploader import local
-from uploader.local import LocalCheckpoint
-from uploader.manifest import Manifest
 
 logger = logging.getLogger(__name__)
 
@@ -145,129 +141,6 @@ class SpotHandler:
             if left <= self.stop.grace_period:
                 self.stop.request(f"spot notice ({left:.0f}s left)", seconds_left=max(left, 0.0))
         return notice is not None
-
-
-def choose(cfg: CheckpointConfig, checkpointer: Checkpointer, store: RemoteStore | None,
-           pulling: Future[LocalCheckpoint | None] | None = None) -> tuple[Path, Manifest, str] | None:
-    """The checkpoint to resume from (rank 0 only): --resume PATH, or the newest of local and remote.
-
-    ``pulling`` is the remote pull started before the model was built (RemoteStore.start_pull).
-    """
-    if cfg.resume == "never":  # check_new_run made sure that nothing is there to be mixed with
-        return None
-    if cfg.resume != "auto":
-        folder, manifest = open_checkpoint(Path(cfg.resume))
-        return folder, manifest, str(folder)
-    if pulling is not None:
-        pulled = pulling.result()
-    else:
-        pulled = store.pull_if_newer(cfg.folder) if store is not None else None
-    if store is not None and pulled is not None:
-        return _resume_from_pull(store, pulled)
-    committed = local.list_committed(cfg.folder)
-    found = checkpointer.newest()  # sets aside the newer ones that fail verification
-    if store is not None and committed and (found is None or found[0].step < committed[-1].step):
-        # The newest local checkpoint is corrupt (a pull torn by a power cut: pulls are not fsynced)
-        # and was skipped: the bucket may still hold it, or something newer than the older local one.
-        pulled = store.pull_if_newer(cfg.folder, than=found[0].step if found is not None else -1)
-        if pulled is not None:
-            return _resume_from_pull(store, pulled)
-    if found is None:
-        _refuse_to_start_over(cfg, committed, store)
-        return None
-    ckpt, manifest = found
-    return ckpt.path, manifest, str(ckpt.path)
-
-
-def _refuse_to_start_over(cfg: CheckpointConfig, committed: list[LocalCheckpoint], store: RemoteStore | None) -> None:
-    """Nothing verifies: when the run has a history (checkpoints that failed verification, now or at an
-    earlier start), starting from step 0 would silently throw that work away; say so (exit 6) instead."""
-    failed = []
-    if committed:
-        failed.append(f"none of the {len(committed)} checkpoint(s) in {cfg.folder} verifies")
-    elif local.list_set_aside(cfg.folder):
-        failed.append(f"the checkpoints in {cfg.folder} failed verification (set aside as corrupt-step-*)")
-    if store is not None and store.holds_checkpoints():
-        failed.append(f"none in {store.url} verifies (the ones that failed are set aside as corrupt-step-* "
-                      "where the credentials allow)")
-    if failed:
-        raise CheckpointLoadError(
-            f"{'; '.join(failed)} (see the warnings above): restore a good checkpoint, or pass --resume never "
-            "to start again from step 0")
-
-
-def check_new_run(cfg: CheckpointConfig, store: RemoteStore | None) -> None:
-    """``--resume never`` starts a new run: refused where an earlier run's checkpoints would be mixed with
-    its own (they would stay newest, and the next start would resume them). One run per folder and
-    prefix; checkpoints set aside as corrupt do not count, they are never chosen."""
-    committed = local.list_committed(cfg.folder)
-    if committed:
-        raise ConfigError(
-            f"--resume never: {cfg.folder} already holds checkpoints of a run (newest step {committed[-1].step}); "
-            "a new run needs its own --save-folder: choose another one, or move these away first")
-    steps = store.complete_steps() if store is not None else []
-    if store is not None and steps:
-        raise ConfigError(
-            f"--resume never: {store.url} already holds checkpoints of a run (newest step {steps[-1]}); a new run "
-            "needs a new --remote prefix (one run per prefix): choose one, or delete that prefix first")
-
-
-def _resume_from_pull(store: RemoteStore, pulled: LocalCheckpoint) -> tuple[Path, Manifest, str]:
-    # Verified byte for byte while it streamed to disk: hashing it again would only delay the resume.
-    return pulled.path, pulled.manifest(), store.describe(pulled)
-
-
-def resume(state: State, cfg: CheckpointConfig, checkpointer: Checkpointer, meta: dict[str, Any],
-           store: RemoteStore | None, mesh: DeviceMesh | None = None,
-           pulling: Future[LocalCheckpoint | None] | None = None) -> dict[str, Any] | None:
-    """Rank 0 chooses and reads the checkpoint; every rank loads the same one, with what was per rank
-    handed over by job.elastic (on another number of ranks too). Returns the checkpoint's manifest
-    meta, from which the caller plans the global batch; None when there is nothing to resume.
-
-    In a sharded run every rank reads its part of the chosen checkpoint itself (DCP reshards it to this
-    run's ranks); otherwise rank 0 reads the whole state (a sharded checkpoint reassembled) and broadcasts it.
-    """
-    loaded: tuple[str, Any, str, dict[str, Any], int] | None = None
-    if distributed.rank() == 0:
-        chosen = choose(cfg, checkpointer, store, pulling)
-        if chosen is not None:
-            folder, manifest, source = chosen
-            check_settings(manifest, meta)
-            # Sharded run: every rank reads its part from the folder, resharded by DCP (job.sharded). Otherwise
-            # rank 0 reads the whole state (a sharded checkpoint reassembled) and broadcasts it.
-            loaded = (("sharded", (str(folder), manifest), source) if mesh is not None
-                      else ("full", load_state_file(folder, manifest), source))
-            loaded = (*loaded, manifest.meta, manifest.step)
-    loaded = distributed.broadcast_choice(loaded)
-    if loaded is None:
-        return None
-    kind, payload, source, ckpt_meta, step = loaded
-    if kind == "sharded" and distributed.nodes() > 1:  # every node reads the whole from its own disk
-        if distributed.node_leader() and distributed.rank() != 0:
-            _whole_on_this_node(store, Path(payload[0]).parent, step, source, pulling)
-        distributed.barrier()
-    tree = load_shard(Path(payload[0]), payload[1], state) if kind == "sharded" else payload
-    handover = elastic.for_this_rank(tree, distributed.rank(), distributed.world_size(),
-                                     seed=state.rank_zero_seed, step=step)
-    restore(state, handover.tree, source)
-    handover.finish(state.train_metrics)
-    event(logger, "resumed", step=state.timer.batch.value, epoch=state.timer.epoch.value, source=source,
-          world_size_was=ckpt_meta.get("world_size"), world_size=distributed.world_size())
-    return ckpt_meta
-
-
-def _whole_on_this_node(store: RemoteStore | None, folder: Path, step: int, source: str,
-                        pulling: Future[LocalCheckpoint | None] | None) -> None:
-    """The whole checkpoint rank 0 chose, in this node's folder: already there (a shared volume, or
-    this node's own start-up pull, which ran alongside rank 0's), else pulled from the remote now."""
-    if pulling is not None:
-        pulling.result()  # the same folder: never two pulls at once
-    pulled = store.pull_step(folder, step) if store is not None else None
-    if pulled is None and not any(c.step == step and c.manifest().meta.get("node") is None
-                                  for c in local.list_committed(folder)):
-        raise CheckpointLoadError(
-            f"checkpoint {source} is not on this node ({folder}) and no --remote has it: a sharded checkpoint "
-            "written on several nodes resumes through --remote, or from a --save-folder every node shares")
 
 
 def _until_exit(stop: StopRequest) -> float | None:
