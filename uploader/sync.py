@@ -50,7 +50,6 @@ from pathlib import Path
 from uploader.exceptions import CorruptCheckpoint, ManifestError, StorageError, UnsupportedFormat
 from uploader.layout import (
     LATEST_KEY,
-    NODES_DIR,
     checkpoint_of,
     data_key,
     latest_document,
@@ -258,8 +257,9 @@ def _commit_parts(remote: Remote, name: str, mine: Manifest) -> bool:
     (another ``save_id``), malformed ones and files missing or of the wrong size keep it incomplete.
     """
     node_count = mine.meta["nodes"]
+    objects = remote.list(f"{name}/")  # one listing: the parts' manifests and every file's size
     parts: dict[int, Manifest] = {}
-    for obj in remote.list(f"{name}/{NODES_DIR}/"):
+    for obj in objects:
         parsed = parse_node_key(name, obj.key)
         if parsed is None or parsed[1] != node_count:
             continue
@@ -272,7 +272,7 @@ def _commit_parts(remote: Remote, name: str, mine: Manifest) -> bool:
                     name, remote.url, len(parts), node_count)
         return False
     files = [f for node in sorted(parts) for f in parts[node].files]
-    sizes = {o.key: o.size for o in remote.list(f"{name}/")}
+    sizes = {o.key: o.size for o in objects}
     missing = [f.path for f in files if sizes.get(data_key(name, f.path)) != f.size]
     first = parts[0]
     try:
