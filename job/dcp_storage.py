@@ -24,6 +24,7 @@ import io
 import json
 import math
 import os
+import queue
 import warnings
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
@@ -44,7 +45,15 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
 from torch.distributed.checkpoint.storage import StorageReader, WriteResult
 from torch.futures import Future
 
@@ -99,8 +108,18 @@ class JsonMetadataWriter(FileSystemWriter):
         self.metadata_entry: FileEntry | None = None
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """DCP's own file writing, with this rank's shards in ``__R_0.distcp`` and everything else it was
+        given (replicated tensors such as the optimizers' step counts, and non-tensor items) in
+        ``__R_1.distcp``: a rank resuming on another node reads the small file of another rank, never
+        its large one, so each node downloads what its own ranks hold (job.node_pull)."""
         self.prefix = plan.storage_data.prefix  # "__R_": every file this rank writes starts with it
-        return super().write_data(plan, planner)
+        shards = [item for item in plan.items if item.type == WriteItemType.SHARD]
+        others = [item for item in plan.items if item.type != WriteItemType.SHARD]
+        files: queue.Queue[tuple[str, str, list[Any]]] = queue.Queue()
+        for i, bucket in enumerate([b for b in (shards, others) if b] or [[]]):  # an empty rank: one empty file
+            name = f"{self.prefix}{i}{filesystem.DEFAULT_SUFFIX}"
+            files.put((self.fs.concat_path(self.path, name), name, bucket))
+        return self._write_data(planner, files)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         metadata.storage_data = {r.index: r.storage_data for per_rank in results for r in per_rank}

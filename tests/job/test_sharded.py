@@ -80,7 +80,12 @@ def test_inspect_reports_one_model_sha256_for_every_sharding(saved: Path, reshar
     assert {name: (info["meta"]["sharded"], info["meta"]["world_size"]) for name, info in infos.items()} == {
         "w2": (True, 2), "w3": (True, 3), "w2b": (True, 2), "full": (False, 1), "f2": (True, 2)}
     assert len({info["model_sha256"] for info in infos.values()}) == 1
-    assert sorted(p.name for p in newest(saved / "w3").iterdir()) == [
+    files = {p.name: p.stat().st_size for p in newest(saved / "w3").iterdir()}
+    # Each rank's shards in __R_0, whatever else DCP gave it to write (replicated step counts) in __R_1.
+    small = sorted(name for name in files if name.endswith("_1.distcp"))
+    assert small and set(small) <= {"__0_1.distcp", "__1_1.distcp", "__2_1.distcp"}
+    assert max(files[name] for name in small) < min(files[f"__{r}_0.distcp"] for r in range(3))
+    assert sorted(set(files) - set(small)) == [
         "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", DCP_METADATA, MANIFEST_NAME, "rank-00000-of-00003.pt",
         "rank-00001-of-00003.pt", "rank-00002-of-00003.pt", "replicated.pt"]
 
