@@ -44,6 +44,7 @@ import logging
 import shutil
 import threading
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,9 +84,10 @@ def list_remote(remote: Remote) -> list[RemoteCheckpoint]:
     return [_summarize(name, objects) for name, objects in _scan(remote).items()]
 
 
-def newest_complete(remote: Remote) -> tuple[int, Manifest] | None:
-    """The newest checkpoint whose manifest exists and parses (its files are not checked here)."""
-    for ckpt in reversed([c for c in list_remote(remote) if c.complete]):
+def newest_complete(remote: Remote, below: int | None = None) -> tuple[int, Manifest] | None:
+    """The newest checkpoint (before step ``below``, when given) whose manifest exists and parses (its
+    files are not checked here)."""
+    for ckpt in reversed([c for c in list_remote(remote) if c.complete and (below is None or c.step < below)]):
         manifest = _remote_manifest(remote, ckpt, remote.read_bytes(manifest_key(ckpt.name), limit=MAX_MANIFEST_BYTES))
         if manifest is not None:
             return ckpt.step, manifest
@@ -179,6 +181,43 @@ def pull_newest(remote: Remote, folder: Path, *, abort: threading.Event | None =
                     manifest.total_size, remote.url, pulled.path)
         return pulled
     return None
+
+
+def pull_files(remote: Remote, manifest: Manifest, paths: Collection[str], dest: Path, *,
+               abort: threading.Event | None = None) -> int:
+    """Download only ``paths`` of the complete remote checkpoint ``manifest`` describes into ``dest``, each
+    verified byte for byte against the manifest as it streams; the bytes downloaded. For a node resuming
+    its part of a multi-node checkpoint (job.node_pull): ``dest`` (made if missing) is a scratch folder,
+    never a committed checkpoint, since it does not hold every file.
+
+    CorruptCheckpoint when a file is missing or differs (the caller decides whether to set it aside).
+    """
+    name = checkpoint_name(manifest.step)
+    entries = {f.path: f for f in manifest.files}
+    unknown = sorted(set(paths) - entries.keys())
+    if unknown:
+        raise CorruptCheckpoint(f"{name}: its manifest lists no {', '.join(map(repr, unknown[:3]))}")
+    wanted = [entries[p] for p in sorted(set(paths))]
+    dest.mkdir(parents=True, exist_ok=True)
+    progress = Progress(f"download {len(wanted)} of {len(entries)} files of {name}", sum(f.size for f in wanted))
+    for entry in wanted:
+        target = _inside(dest, entry.path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        remote.get_file(data_key(name, entry.path), target, size=entry.size, sha256=entry.sha256,
+                        block_size=entry.block_size, on_bytes=progress.add, abort=abort)
+    progress.close()
+    return sum(f.size for f in wanted)
+
+
+def set_aside_if_unchanged(remote: Remote, manifest: Manifest, reason: str) -> None:
+    """Set the remote checkpoint of ``manifest`` aside (module docstring) when its manifest is still the
+    one that failed: a checkpoint re-saved meanwhile is left alone."""
+    name = checkpoint_name(manifest.step)
+    raw = remote.read_bytes(manifest_key(name), limit=MAX_MANIFEST_BYTES)
+    if raw is None or _parse_or_none(raw) != manifest:
+        logger.warning("remote %s changed while it was verified; not setting it aside", name)
+        return
+    _set_aside_remote(remote, name, raw, reason)
 
 
 # -- push ---------------------------------------------------------------------------------------

@@ -14,10 +14,10 @@ from tests.support.checkpoints import complete_steps, data_files_of, make_checkp
 from tests.support.recording import RecordingRemote
 from uploader.layout import manifest_key, node_key
 from uploader.local import LocalCheckpoint, checkpoint_name
-from uploader.exceptions import ManifestError
+from uploader.exceptions import CorruptCheckpoint, ManifestError
 from uploader.manifest import Manifest
 from uploader.remote import Remote
-from uploader.sync import list_remote, pull_newest, push
+from uploader.sync import list_remote, list_set_aside, pull_files, pull_newest, push, set_aside_if_unchanged
 
 NODES = 2
 # Node 0 holds the replicated state, node 1 only its ranks' files (as a sharded save spreads them).
@@ -138,3 +138,44 @@ def test_a_part_s_node_fields_are_validated(tmp_path: Path, meta: dict) -> None:
     doc = part(tmp_path, 0, 10).manifest()
     with pytest.raises(ManifestError, match="meta"):
         Manifest.from_json(Manifest(step=10, files=doc.files, meta=meta).to_json())
+
+
+def committed_whole(remote: Remote, tmp_path: Path) -> Manifest:
+    """Both nodes' parts of step 10 uploaded: the whole checkpoint's manifest, as a resuming node reads it."""
+    for node in range(NODES):
+        push(part(tmp_path, node, 10), remote, keep=3)
+    raw = remote.read_bytes(manifest_key(checkpoint_name(10)))
+    assert raw is not None
+    return Manifest.from_json(raw)
+
+
+def test_a_node_downloads_only_the_files_it_asks_for_each_verified(remote: Remote, tmp_path: Path) -> None:
+    whole = committed_whole(remote, tmp_path)
+    dest = tmp_path / "scratch"
+    got = pull_files(remote, whole, {"rank-1.bin", "rank-1b.bin"}, dest)
+    assert got == 30_000
+    assert data_files_of(dest) == data_files_of(tmp_path / "node1" / checkpoint_name(10))
+    assert not (dest / "state.pt").exists()
+    assert pull_files(remote, whole, {"state.pt"}, dest) == 150_000  # a second batch into the same folder
+    assert (dest / "state.pt").stat().st_size == 150_000
+
+
+def test_a_file_that_differs_or_is_not_listed_is_a_corrupt_checkpoint(remote: Remote, tmp_path: Path) -> None:
+    whole = committed_whole(remote, tmp_path)
+    with pytest.raises(CorruptCheckpoint, match="lists no 'rank-9.bin'"):
+        pull_files(remote, whole, {"rank-9.bin"}, tmp_path / "a")
+    key = f"{checkpoint_name(10)}/rank-1.bin"
+    remote.write_bytes(key, bytes(30_000))  # same size, other bytes
+    with pytest.raises(CorruptCheckpoint):
+        pull_files(remote, whole, {"rank-1.bin"}, tmp_path / "b")
+    assert pull_files(remote, whole, {"rank-0.bin"}, tmp_path / "c") == 20_000  # the others still verify
+
+
+def test_set_aside_moves_the_failed_checkpoint_unless_it_was_saved_again(remote: Remote, tmp_path: Path) -> None:
+    whole = committed_whole(remote, tmp_path)
+    stale = Manifest.from_json(whole.to_json().replace(b'"mlp"', b'"other"'))
+    set_aside_if_unchanged(remote, stale, "a re-save changed it meanwhile")
+    assert complete_steps(remote) == [10]  # not the manifest that failed: left alone
+    set_aside_if_unchanged(remote, whole, "rank-1.bin fails its sha256 check")
+    assert complete_steps(remote) == []
+    assert [name for name in list_set_aside(remote) if name.startswith(f"corrupt-{checkpoint_name(10)}-")]
