@@ -206,8 +206,9 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
         claim_folder(ckpt_cfg.folder)
     store = RemoteStore(remote_cfg) if (leader or node_uploads) and remote_cfg is not None and remote_cfg.url else None
     # The newest remote checkpoint downloads while the model is built: a resume waits for the larger one.
-    # Every node that keeps its own part pulls too, at the same time: each needs the whole to resume.
-    pulling = store.start_pull(ckpt_cfg.folder) if store is not None and ckpt_cfg.resume == "auto" else None
+    # Sharded on several nodes, each node downloads later, once the model says what its ranks read (job.node_pull).
+    pulling = (store.start_pull(ckpt_cfg.folder) if store is not None and ckpt_cfg.resume == "auto"
+               and not node_uploads else None)
     checkpointer: Checkpointer | None = None
     failed = False
     try:

@@ -159,8 +159,10 @@ def train(**o: Any) -> None:
     Under torchrun (env:// rendezvous) each process trains one shard of every batch with DDP.
     """
     dist_cfg = torchrun_env()
-    # Under torchrun only rank 0 tells the story; the other ranks speak up for warnings and errors.
-    setup_logging(o["log_format"], o["log_level"] if dist_cfg.rank == 0 else "warning")
+    # Under torchrun only rank 0 tells the story, and on several nodes each node's leader too, in its own
+    # pod's log (its uploads, its pull); the other ranks speak up for warnings and errors.
+    speaks = dist_cfg.rank == 0 or (dist_cfg.local_rank == 0 and dist_cfg.nodes > 1)
+    setup_logging(o["log_format"], o["log_level"] if speaks else "warning")
     _dump_stacks_on_sigusr1()
     if dist_cfg.enabled and o["eval_interval"].seconds is not None:
         raise ConfigError("--eval-interval in seconds cannot be used with torchrun (ranks must evaluate at the "

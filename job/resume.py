@@ -11,7 +11,7 @@ from typing import Any
 
 from torch.distributed.device_mesh import DeviceMesh
 
-from job import distributed, elastic
+from job import distributed, elastic, node_pull
 from job.checkpoint import Checkpointer, check_settings, load_shard, load_state_file, open_checkpoint, restore
 from job.config import CheckpointConfig
 from job.exceptions import CheckpointLoadError, ConfigError
@@ -103,8 +103,41 @@ def resume(state: State, cfg: CheckpointConfig, checkpointer: Checkpointer, meta
     meta, from which the caller plans the global batch; None when there is nothing to resume.
 
     In a sharded run every rank reads its part of the chosen checkpoint itself (DCP reshards it to this
-    run's ranks); otherwise rank 0 reads the whole state (a sharded checkpoint reassembled) and broadcasts it.
+    run's ranks); otherwise rank 0 reads the whole state (a sharded checkpoint reassembled) and broadcasts
+    it. A sharded run on several nodes resumes a newer checkpoint from the bucket with each node
+    downloading only what its ranks read (job.node_pull).
     """
+    loaded = None
+    if mesh is not None and distributed.nodes() > 1 and cfg.resume == "auto":
+        found = node_pull.resume_from_bucket(state, cfg.folder, store, _newest_whole_local(cfg.folder), meta)
+        if found is not None:
+            tree, manifest, source = found
+            loaded = (tree, source, manifest.meta, manifest.step)
+    if loaded is None:
+        loaded = _load_chosen(state, cfg, checkpointer, meta, store, mesh, pulling)
+    if loaded is None:
+        return None
+    tree, source, ckpt_meta, step = loaded
+    handover = elastic.for_this_rank(tree, distributed.rank(), distributed.world_size(),
+                                     seed=state.rank_zero_seed, step=step)
+    restore(state, handover.tree, source)
+    handover.finish(state.train_metrics)
+    event(logger, "resumed", step=state.timer.batch.value, epoch=state.timer.epoch.value, source=source,
+          world_size_was=ckpt_meta.get("world_size"), world_size=distributed.world_size())
+    return ckpt_meta
+
+
+def _newest_whole_local(folder: Path) -> int:
+    """The step of the newest whole checkpoint in ``folder`` (unverified: only to compare with the bucket)."""
+    if distributed.rank() != 0:
+        return -1  # rank 0 decides
+    return max((c.step for c in local.list_committed(folder) if not local.is_node_part(c)), default=-1)
+
+
+def _load_chosen(state: State, cfg: CheckpointConfig, checkpointer: Checkpointer, meta: dict[str, Any],
+                 store: RemoteStore | None, mesh: DeviceMesh | None,
+                 pulling: Future[LocalCheckpoint | None] | None) -> tuple[Any, str, dict[str, Any], int] | None:
+    """The checkpoint rank 0 chooses, read: its state dict, where it came from, its meta and step."""
     loaded: tuple[str, Any, str, dict[str, Any], int] | None = None
     if distributed.rank() == 0:
         chosen = choose(cfg, checkpointer, store, pulling)
@@ -125,13 +158,7 @@ def resume(state: State, cfg: CheckpointConfig, checkpointer: Checkpointer, meta
             _whole_on_this_node(store, Path(payload[0]).parent, step, source, pulling)
         distributed.barrier()
     tree = load_shard(Path(payload[0]), payload[1], state) if kind == "sharded" else payload
-    handover = elastic.for_this_rank(tree, distributed.rank(), distributed.world_size(),
-                                     seed=state.rank_zero_seed, step=step)
-    restore(state, handover.tree, source)
-    handover.finish(state.train_metrics)
-    event(logger, "resumed", step=state.timer.batch.value, epoch=state.timer.epoch.value, source=source,
-          world_size_was=ckpt_meta.get("world_size"), world_size=distributed.world_size())
-    return ckpt_meta
+    return tree, source, ckpt_meta, step
 
 
 def _whole_on_this_node(store: RemoteStore | None, folder: Path, step: int, source: str,

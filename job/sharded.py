@@ -13,7 +13,8 @@ What is not sharded stays out of DCP, in plain weights-only torch files: ``repli
 rank 0: timer, schedulers, seed, computed metrics) and one ``rank-RRRRR-of-WWWWW.pt`` per rank (its RNG
 streams and metric accumulators, which job.elastic hands over on another number of ranks).
 
-The checkpoint's folder must be visible to every rank (one node, or a volume shared by the nodes).
+Every rank reads the files of the chosen checkpoint from its node's folder: the whole checkpoint on one
+node or a shared volume; on nodes with disks of their own, what its node downloaded (job.node_pull).
 """
 from __future__ import annotations
 
@@ -78,6 +79,29 @@ def _has_state(metadata: Metadata, name: str) -> bool:
     return any(tuple(path[:3]) == prefix for path in metadata.planner_data.values())
 
 
+def load_targets(state: State, metadata: Metadata) -> dict[str, Any]:
+    """What a load of the checkpoint ``metadata`` describes fills on this rank: this run's model and
+    optimizer state dicts (DTensors of this run's sharding), as DCP's load planner takes them."""
+    targets: dict[str, Any] = {}
+    for name, opt in _optimizers(state).items():
+        # A target needs the optimizer's state to exist: get_optimizer_state_dict creates it (a zero step),
+        # which the load then overwrites; one saved before its first step loads its hyperparameters only.
+        targets[name] = get_optimizer_state_dict(state.model, opt) if _has_state(metadata, name) else opt.state_dict()
+    return {MODEL: get_model_state_dict(state.model), OPTIMIZERS: targets}
+
+
+def files_read(state: State, folder: Path, metadata: Metadata) -> set[str]:
+    """The data files a load on this rank reads: DCP's own load planner, asked for this rank's local plan
+    (which stored chunks overlap this rank's shards), without loading anything and without collectives."""
+    planner = dcp_storage.SafeLoadPlanner()
+    try:
+        planner.set_up_planner(load_targets(state, metadata), metadata, is_coordinator=False)
+        plan = planner.create_local_plan()
+    except (KeyError, RuntimeError, ValueError, TypeError) as e:
+        raise _does_not_fit(folder, e) from None
+    return {metadata.storage_data[item.storage_index].file for item in plan.items}
+
+
 def load_resharded(state: State, folder: Path, metadata: Metadata) -> dict[str, Any]:
     """Collective: load a sharded checkpoint's model and optimizers into ``state`` on this run's ranks,
     whatever their number and whether the model is sharded or not (DCP reshards).
@@ -85,12 +109,7 @@ def load_resharded(state: State, folder: Path, metadata: Metadata) -> dict[str, 
     Returns ``state``'s own model and optimizer state dicts as a State entry, to stand in for them when
     State.load_state_dict restores the rest of the checkpoint.
     """
-    targets: dict[str, Any] = {}
-    for name, opt in _optimizers(state).items():
-        # A target needs the optimizer's state to exist: get_optimizer_state_dict creates it (a zero step),
-        # which the load then overwrites; one saved before its first step loads its hyperparameters only.
-        targets[name] = get_optimizer_state_dict(state.model, opt) if _has_state(metadata, name) else opt.state_dict()
-    tree = dcp_storage.load({MODEL: get_model_state_dict(state.model), OPTIMIZERS: targets}, folder, metadata)
+    tree = dcp_storage.load(load_targets(state, metadata), folder, metadata)
     try:
         set_model_state_dict(state.model, tree[MODEL])
         for name, opt in _optimizers(state).items():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+from collections.abc import Collection
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,15 @@ from uploader.exceptions import TransientStorageError
 from uploader.local import LocalCheckpoint, is_node_part, list_committed
 from uploader.probe import check_writable
 from uploader.remote import Remote, check_url, open_remote
-from uploader.sync import list_remote, list_set_aside, newest_complete, pull_newest
+from uploader.manifest import Manifest
+from uploader.sync import (
+    list_remote,
+    list_set_aside,
+    newest_complete,
+    pull_files,
+    pull_newest,
+    set_aside_if_unchanged,
+)
 from uploader.worker import BackgroundUploader
 
 logger = logging.getLogger(__name__)
@@ -89,6 +98,22 @@ class RemoteStore:
     def pull_step(self, folder: Path, step: int) -> LocalCheckpoint | None:
         """The whole, verified checkpoint of ``step`` in ``folder`` (downloaded unless it is there), or None."""
         return pull_newest(self.remote, folder, abort=self._abort_pull, set_aside_corrupt=False, step=step)
+
+    def newest_complete(self, below: int | None = None) -> Manifest | None:
+        """The manifest of the newest complete remote checkpoint (before step ``below``), files unchecked."""
+        found = newest_complete(self.remote, below)
+        return found[1] if found is not None else None
+
+    def pull_files(self, manifest: Manifest, paths: Collection[str], dest: Path) -> int:
+        """Only ``paths`` of the remote checkpoint ``manifest``, verified, into the new folder ``dest``;
+        the bytes downloaded. CorruptCheckpoint when one differs from the manifest."""
+        return pull_files(self.remote, manifest, paths, dest, abort=self._abort_pull)
+
+    def set_aside(self, manifest: Manifest, reason: str) -> None:
+        """A remote checkpoint that failed verification, out of every reader's way (uploader.sync), unless
+        this job never writes to the bucket (--upload off): then it is only skipped."""
+        if self._writes:
+            set_aside_if_unchanged(self.remote, manifest, reason)
 
     def start_pull(self, folder: Path) -> Future[LocalCheckpoint | None]:
         """:meth:`pull_if_newer` in a thread, so the download overlaps building the model; ``result()``

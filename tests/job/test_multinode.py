@@ -21,7 +21,7 @@ from tests.support.polling import wait_until
 from tests.support.s3server import Bucket, fast_config
 from uploader.local import checkpoint_name, list_committed
 from uploader.remote import open_remote
-from uploader.sync import list_remote
+from uploader.sync import list_remote, list_set_aside, pull_newest
 
 pytestmark = [pytest.mark.slow, pytest.mark.s3]
 
@@ -140,3 +140,89 @@ def test_a_node_killed_while_it_uploads_never_leaves_that_step_complete(
         again.kill()
     resumed = [e for e in events(again.stderr) if e.get("event") == "resumed"]
     assert [e["step"] for e in resumed] == [10]
+
+
+def two_nodes(folders: list[Path], remote: str, env: dict[str, str]) -> list[JobProcess]:
+    """A sharded job on two nodes of one rank each, started now."""
+    endpoint, run_id = f"127.0.0.1:{free_port()}", uuid.uuid4().hex[:8]
+    return [node(i, 2, endpoint, run_id, folders[i], remote, env, ["--sharded"]) for i in range(2)]
+
+
+def finish(procs: list[JobProcess]) -> list[dict]:
+    """Wait for every launcher to exit 0; their events."""
+    try:
+        for proc in procs:
+            assert proc.wait(300) == 0, proc.stderr[-3000:]
+    finally:
+        for proc in procs:
+            proc.kill()
+    return [e for p in procs for e in events(p.stderr)]
+
+
+def final_model(bucket: Bucket, prefix: str, folder: Path) -> str:
+    """The model_sha256 of the newest whole checkpoint under ``prefix``, pulled into ``folder``."""
+    remote = open_remote(bucket.url(prefix), fast_config(bucket.endpoint_url))
+    try:
+        pulled = pull_newest(remote, folder)
+    finally:
+        remote.close()
+    assert pulled is not None
+    return inspect(pulled.path)["model_sha256"]
+
+
+def test_each_node_downloads_only_what_its_ranks_read_and_the_resume_is_bit_exact(
+    tmp_path: Path, s3_bucket: Bucket
+) -> None:
+    """Issue 18 point 3: two nodes resume a two-node sharded checkpoint from the bucket on new disks, each
+    downloading its own shard file and the small shared files, never the other node's shard; the run
+    ends bit for bit where an uninterrupted one does. Then a shard in the bucket goes bad: the node that
+    reads it fails its verification, the checkpoint is set aside, and both nodes resume the one before."""
+    env = s3_job_env(s3_bucket)
+    straight = finish(two_nodes([tmp_path / "straight0", tmp_path / "straight1"], s3_bucket.url("straight"), env))
+    assert not [e for e in straight if e.get("event") == "resumed"]
+
+    procs = two_nodes([tmp_path / "a0", tmp_path / "a1"], s3_bucket.url("run"), env)
+    try:
+        procs[0].wait_event("checkpoint", lambda e: e["step"] >= 20, timeout=240)
+        for proc in procs:
+            proc.signal(signal.SIGTERM)
+        for proc in procs:
+            proc.wait(240)  # torchrun itself exits 1 on SIGTERM: its workers' events say how they stopped
+    finally:
+        for proc in procs:
+            proc.kill()
+    stopped = [e for p in procs for e in events(p.stderr) if e.get("event") == "preempted"]
+    assert stopped and len({e["checkpoint_step"] for e in stopped}) == 1, procs[0].stderr[-3000:]
+    stop_step = stopped[0]["checkpoint_step"]
+    assert max(complete(s3_bucket)) == stop_step
+    whole = json.loads(bucket_object(s3_bucket, f"{checkpoint_name(stop_step)}/manifest.json"))
+    sizes = {f["path"]: f["size"] for f in whole["files"]}
+
+    resumed = finish(two_nodes([tmp_path / "b0", tmp_path / "b1"], s3_bucket.url("run"), env))
+    assert [e["step"] for e in resumed if e.get("event") == "resumed"] == [stop_step, stop_step]
+    pulls = {e["node"]: e for e in resumed if e.get("event") == "pulled"}
+    assert sorted(pulls) == [0, 1] and all(p["step"] == stop_step and p["of_bytes"] == sum(sizes.values())
+                                           for p in pulls.values())
+    for i, pulled in pulls.items():  # its own shard, not the other node's: less than the whole, by that file
+        assert sizes[f"__{i}_0.distcp"] <= pulled["bytes"] <= sum(sizes.values()) - sizes[f"__{1 - i}_0.distcp"]
+    assert not list((tmp_path / "b1").glob(".resume-*"))  # the scratch download is gone after the load
+    assert final_model(s3_bucket, "run", tmp_path / "run-final") == final_model(s3_bucket, "straight",
+                                                                               tmp_path / "straight-final")
+
+    # Node 1's shard of step 60 rots in the bucket (same size, other bytes).
+    remote = open_remote(s3_bucket.url("run"), fast_config(s3_bucket.endpoint_url))
+    try:
+        key = f"{checkpoint_name(60)}/__1_0.distcp"
+        data = remote.read_bytes(key)
+        assert data is not None
+        remote.write_bytes(key, bytes(len(data)))
+    finally:
+        remote.close()
+    again = finish(two_nodes([tmp_path / "c0", tmp_path / "c1"], s3_bucket.url("run"), env))
+    assert [e["step"] for e in again if e.get("event") == "resumed"] == [50, 50]
+    assert 60 in complete(s3_bucket)  # trained again from 50 and committed anew
+    remote = open_remote(s3_bucket.url("run"), fast_config(s3_bucket.endpoint_url))
+    try:
+        assert [name for name in list_set_aside(remote) if name.startswith(f"corrupt-{checkpoint_name(60)}-")]
+    finally:
+        remote.close()
