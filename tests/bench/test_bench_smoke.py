@@ -93,3 +93,12 @@ def test_gpu_check_is_a_runnable_script_without_a_gpu():
         assert done.returncode == 0, done.stderr
     assert "job train --device cuda --precision amp_bf16 --model mlp-large --save-interval 5s" in done.stdout
     assert "bench.checkpoint_stall --device cuda" in done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.s3
+def test_node_pull_smoke():
+    needs_s3_tools()
+    done = run_bench("node_pull", "--smoke", timeout=600)
+    assert_ends_with_ratio(done)
+    assert "4 node(s)" in done.stdout.splitlines()[-1]
