@@ -7,7 +7,7 @@ at least as fast as s5cmd both ways (ratio = our MB/s / s5cmd's MB/s >= 1.0).
 
 What each side does, so the ratio can be read fairly:
 
-* ours up: read the file once (page cache), sha256 it while reading, multipart upload
+* ours up: read the file once (page cache), hash it while reading (BLAKE3 blocks), multipart upload
   (``--part-size`` x ``--concurrency`` in flight), the manifest last, ``latest``, retention.
 * ours down: list, read the manifest, HEAD, ranged GETs (``--part-size`` x ``--concurrency``), each
   streamed from the socket into its place in the file and block-hashed by its thread (format 2),
@@ -16,12 +16,18 @@ What each side does, so the ratio can be read fairly:
 * s5cmd: ``s5cmd cp`` with its defaults (50 MB parts, 5 in flight), no end-to-end hash, no fsync;
   ``s5cmd down + fsync`` is also shown (the fsync timed separately, right after): what waiting for
   the disk would add.
+* s3tc: AWS's PyTorch connector (PyPI ``s3torchconnector``, its AWS CRT client), the way a training
+  job uses it for checkpoints: ``S3Checkpoint.writer`` fed the file in 8 MiB pieces (as torch.save
+  writes into it), ``S3Checkpoint.reader`` read in 8 MiB pieces into a local file. Path-style
+  addressing (``force_path_style``), its defaults otherwise; no end-to-end hash, no fsync. It talks
+  to SeaweedFS as it is; ``--s3tc-endpoint`` points this arm at another endpoint (any S3 it can reach).
 
 The source file is in the page cache for every upload (it was just written), and the server's
 volume data likely is too: this measures the client and the loopback server, not a disk.
 """
 from __future__ import annotations
 
+import os
 import resource
 import shutil
 import subprocess
@@ -34,12 +40,13 @@ if __package__ in (None, ""):  # run as `python bench/transfer.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from uploader.hashing import fsync_path
-from bench.common import (MB, GiB, MiB, interleaved, median, parser, print_machine, progress,
+from bench.common import (MB, GiB, MiB, aws_environment, interleaved, median, parser, print_machine, progress,
                           ratio, s3_bucket, scratch, venv_binary)
 from tests.support.checkpoints import make_checkpoint
 
 TARGET = 1.0
 FILE = "state.pt"
+PIECE = 8 * 1024 * 1024  # what the s3tc arms write and read at a time
 
 
 class Clock:
@@ -62,6 +69,28 @@ class Clock:
 
     def result(self) -> dict[str, float]:
         return {"wall": self.wall, "cpu": self.cpu}
+
+
+class S3tc:
+    """AWS's s3torchconnector checkpoint writer and reader (module docstring), on one bucket."""
+
+    def __init__(self, endpoint_url: str, region: str) -> None:
+        from s3torchconnector import S3Checkpoint, S3ClientConfig
+
+        self.checkpoint = S3Checkpoint(region=region, endpoint=endpoint_url,
+                                       s3client_config=S3ClientConfig(force_path_style=True))
+
+    def upload(self, path: Path, url: str) -> None:
+        with open(path, "rb") as src, self.checkpoint.writer(url) as dst:
+            while piece := src.read(PIECE):
+                dst.write(piece)
+
+    def download(self, url: str, path: Path) -> int:
+        got = 0
+        with self.checkpoint.reader(url) as src, open(path, "wb") as dst:
+            while piece := src.read(PIECE):
+                got += dst.write(piece)
+        return got
 
 
 class S5cmd:
@@ -92,7 +121,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--part-size", type=int, default=None, help="our part size in MiB (default: UploadConfig's)")
     p.add_argument("--concurrency", type=int, default=None, help="our parts in flight (default: UploadConfig's)")
     p.add_argument("--s5cmd-flags", default="", help="extra flags of s5cmd cp, e.g. '--concurrency 8 --part-size 16'")
+    p.add_argument("--s3tc-endpoint", default=None,
+                   help="run the s3torchconnector arms against this endpoint (with AWS_* credentials from the "
+                        "environment and --s3tc-bucket) instead of the benchmark's SeaweedFS")
+    p.add_argument("--s3tc-bucket", default=None, help="bucket for --s3tc-endpoint")
+    p.add_argument("--s3tc-region", default="us-east-1", help="region for s3torchconnector")
     args = p.parse_args(argv)
+    outside_env = dict(os.environ)  # the caller's credentials, for --s3tc-endpoint (s3_bucket replaces them)
     size = (16 if args.smoke else args.size_mib) * MiB
     rounds = args.rounds or (1 if args.smoke else 3)
     settings: dict[str, Any] = {"addressing": "path"}
@@ -110,6 +145,14 @@ def main(argv: list[str] | None = None) -> int:
                  f"s5cmd flags: {s5_flags or 'defaults'}")
         ckpt = make_checkpoint(workdir / "local", step=1, files={FILE: size})
         s5 = S5cmd(bucket.endpoint_url)
+        if args.s3tc_endpoint is not None:
+            with aws_environment(outside_env):
+                tc = S3tc(args.s3tc_endpoint, args.s3tc_region)
+            tc_bucket = args.s3tc_bucket or bucket.name
+        else:
+            tc, tc_bucket = S3tc(bucket.endpoint_url, args.s3tc_region), bucket.name
+        tc_seed = f"s3://{tc_bucket}/tc-seed/{FILE}"
+        tc.upload(ckpt.path / FILE, tc_seed)  # what its downloads fetch
         seed = open_remote(bucket.url("seed"), config)
         push(ckpt, seed, keep=1)  # what both downloads fetch
         seed_key = f"s3://{bucket.name}/seed/{ckpt.name}/{FILE}"
@@ -153,10 +196,27 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(folder)
             return {**clock.result(), "fsync": fsync_seconds}
 
+        def s3tc_up() -> dict[str, float]:
+            with Clock(children=False) as clock:
+                tc.upload(ckpt.path / FILE, f"s3://{tc_bucket}/tc-{next(counter)}/{FILE}")
+            return clock.result()
+
+        def s3tc_down() -> dict[str, float]:
+            folder = workdir / f"down-{next(counter)}"
+            folder.mkdir()
+            with Clock(children=False) as clock:
+                got = tc.download(tc_seed, folder / FILE)
+            if got != size:
+                raise RuntimeError(f"s3torchconnector downloaded {got} bytes, not {size}")
+            shutil.rmtree(folder)
+            return clock.result()
+
         # Each direction is its own interleaved series: an upload (1 GiB written by the server, and
         # freed again) sitting between two downloads changes what memory the next one finds.
-        results = interleaved({"ours_down": ours_down, "s5cmd_down": s5cmd_down}, rounds=rounds, log=progress)
-        results.update(interleaved({"ours_up": ours_up, "s5cmd_up": s5cmd_up}, rounds=rounds, log=progress))
+        results = interleaved({"ours_down": ours_down, "s5cmd_down": s5cmd_down, "s3tc_down": s3tc_down},
+                              rounds=rounds, log=progress)
+        results.update(interleaved({"ours_up": ours_up, "s5cmd_up": s5cmd_up, "s3tc_up": s3tc_up},
+                                   rounds=rounds, log=progress))
         seed.close()
 
     t = {name: median([r["wall"] for r in runs]) for name, runs in results.items()}
@@ -165,17 +225,18 @@ def main(argv: list[str] | None = None) -> int:
     rate = {name: size / seconds / MB for name, seconds in t.items()}
     gib = size / GiB
     print(f"{size / MiB:g} MiB, median of {rounds}, MB/s (10^6 B/s): ours up {rate['ours_up']:.0f}, s5cmd up "
-          f"{rate['s5cmd_up']:.0f}; ours down {rate['ours_down']:.0f}, s5cmd down {rate['s5cmd_down']:.0f} "
-          f"(s5cmd down + fsync {size / (t['s5cmd_down'] + fsync_s) / MB:.0f}); ours: part "
-          f"{config.part_size // MiB} MiB x {config.concurrency}")
+          f"{rate['s5cmd_up']:.0f}, s3tc up {rate['s3tc_up']:.0f}; ours down {rate['ours_down']:.0f}, s5cmd down "
+          f"{rate['s5cmd_down']:.0f} (s5cmd down + fsync {size / (t['s5cmd_down'] + fsync_s) / MB:.0f}), s3tc down "
+          f"{rate['s3tc_down']:.0f}; ours: part {config.part_size // MiB} MiB x {config.concurrency}")
     print("client CPU seconds (user+sys) per GiB: " + ", ".join(f"{n} {c / gib:.2f}" for n, c in cpu.items())
           + " (the server's are not counted; it shares the same cores)")
     best = {name: min(r["wall"] for r in runs) for name, runs in results.items()}
     print(f"best round (fresh page-cache pages make rounds vary on a VM): upload ours/s5cmd = "
-          f"{best['s5cmd_up'] / best['ours_up']:.3f}, download ours/s5cmd = {best['s5cmd_down'] / best['ours_down']:.3f}")
-    up, down = rate["ours_up"] / rate["s5cmd_up"], rate["ours_down"] / rate["s5cmd_down"]
-    print(ratio("upload ours/s5cmd", up, TARGET, at_most=False) + "; "
-          + ratio("download ours/s5cmd", down, TARGET, at_most=False), flush=True)
+          f"{best['s5cmd_up'] / best['ours_up']:.3f}, ours/s3tc = {best['s3tc_up'] / best['ours_up']:.3f}; download "
+          f"ours/s5cmd = {best['s5cmd_down'] / best['ours_down']:.3f}, ours/s3tc = "
+          f"{best['s3tc_down'] / best['ours_down']:.3f}")
+    print("; ".join(ratio(f"{way} ours/{peer}", rate[f"ours_{key}"] / rate[f"{peer}_{key}"], TARGET, at_most=False)
+                    for way, key in (("upload", "up"), ("download", "down")) for peer in ("s5cmd", "s3tc")), flush=True)
     return 0
 
 
