@@ -99,15 +99,17 @@ def main(argv: list[str] | None = None) -> int:
             # Arms without hashing take format 1's path with its in-order hash skipped (format 2
             # hashes inside the stream, where it cannot be switched off separately).
             if "hash_range" in off:
-                block_size, sha256 = None, no_hash_sha
+                block_size, digest, algorithm = None, no_hash_sha, "sha256"
+            elif block_size is not None:
+                digest, algorithm = entry.digest, entry.algorithm
             else:
-                sha256 = entry.sha256 if block_size is not None else plain_sha256
+                digest, algorithm = plain_sha256, "sha256"
             def fetch() -> None:
                 for name, fn in shipped.items():
                     setattr(s3, name, skip if name in off else fn)
                 s3.WRITE_SLICE = write_slice
                 try:
-                    remote.get_file(key, out, size=size, sha256=sha256, block_size=block_size)
+                    remote.get_file(key, out, size=size, digest=digest, algorithm=algorithm, block_size=block_size)
                 finally:
                     for name, fn in shipped.items():
                         setattr(s3, name, fn)

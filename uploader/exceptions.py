@@ -21,7 +21,7 @@ class UnsupportedFormat(ManifestError):
 
 
 class CorruptCheckpoint(UploaderError):
-    """A checkpoint whose files do not match its manifest (size or sha256), or are missing."""
+    """A checkpoint whose files do not match its manifest (size or digest), or are missing."""
 
 
 class NoCheckpointFound(UploaderError):

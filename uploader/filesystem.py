@@ -2,8 +2,9 @@
 
 Objects are files under the root folder; every write goes to a hidden temporary file in the same
 folder, is fsynced and checked, then renamed into place, so a reader sees a whole object or none
-(the same guarantee an S3 PUT gives). The sha256 is kept in a ``user.sha256`` extended attribute
-where the file system supports it; where it does not, a resumed upload simply re-copies the file.
+(the same guarantee an S3 PUT gives). The digest is kept in a ``user.digest`` extended attribute
+(``user.sha256`` from older builds is read too) where the file system supports it; where it does
+not, a resumed upload simply re-copies the file.
 
 Operations are not retried (see uploader.retry): OSErrors surface as StorageError at once, or as
 AuthError (exit 3, as S3's 403) when the folder's permissions refuse this user or the volume is
@@ -30,14 +31,15 @@ from pathlib import Path
 from typing import BinaryIO
 
 from uploader.exceptions import Aborted, AuthError, BucketNotFound, CorruptCheckpoint, StorageError
-from uploader.hashing import CHUNK, StreamDigest, fsync_path
+from uploader.hashing import CHUNK, StreamDigest, fsync_path, tagged
 from uploader.manifest import open_regular
 from uploader.remote import ObjectInfo, OnBytes, file_location
 
 logger = logging.getLogger(__name__)
 
 TMP_MARKER = ".uploader-tmp-"
-XATTR_SHA256 = "user.sha256"
+XATTR_DIGEST = "user.digest"  # uploader.hashing.tagged
+XATTR_LEGACY = "user.sha256"  # what builds before format 3 kept (a sha256-family digest)
 
 
 class FileRemote:
@@ -98,7 +100,7 @@ class FileRemote:
             raise _refused(f"cannot stat {key} in {self.describe()}", e) from None
         if not stat.S_ISREG(st.st_mode):
             return None  # not an object: an upload replaces it (os.replace replaces a link, not its target)
-        return ObjectInfo(key, st.st_size, st.st_mtime, _get_sha256(path))
+        return ObjectInfo(key, st.st_size, st.st_mtime, _get_digest(path))
 
     def read_bytes(self, key: str, limit: int | None = None) -> bytes | None:
         try:
@@ -116,7 +118,7 @@ class FileRemote:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-            _set_sha256(tmp, digest)
+            _set_digest(tmp, digest)
 
     def put_file(
         self,
@@ -124,7 +126,8 @@ class FileRemote:
         path: Path,
         *,
         size: int,
-        sha256: str,
+        digest: str,
+        algorithm: str,
         block_size: int | None = None,
         on_bytes: OnBytes | None = None,
         abort: threading.Event | None = None,
@@ -135,10 +138,10 @@ class FileRemote:
             except OSError as e:
                 raise CorruptCheckpoint(f"cannot read {path}: {e.strerror}") from None
             with src, open(tmp, "wb") as dst:
-                actual_size, actual_sha = _copy(src, dst, block_size, on_bytes, abort)
-            if actual_size != size or actual_sha != sha256:
-                raise CorruptCheckpoint(f"{path} does not match its manifest (size or sha256); not uploading it")
-            _set_sha256(tmp, sha256)
+                actual_size, actual_digest = _copy(src, dst, block_size, algorithm, on_bytes, abort)
+            if actual_size != size or actual_digest != digest:
+                raise CorruptCheckpoint(f"{path} does not match its manifest (size or {algorithm}); not uploading it")
+            _set_digest(tmp, tagged(algorithm, digest))
 
     def get_file(
         self,
@@ -146,18 +149,20 @@ class FileRemote:
         path: Path,
         *,
         size: int,
-        sha256: str,
+        digest: str,
+        algorithm: str,
         block_size: int | None = None,
         on_bytes: OnBytes | None = None,
         abort: threading.Event | None = None,
     ) -> None:
         with self._open_object(key) as reader, open(path, "wb") as dst:
-            actual_size, actual_sha = _copy(reader, dst, block_size, on_bytes, abort, durable=False, limit=size + 1)
+            actual_size, actual_digest = _copy(reader, dst, block_size, algorithm, on_bytes, abort, durable=False,
+                                               limit=size + 1)
         if actual_size != size:
             raise CorruptCheckpoint(f"{self.url}/{key} has {'more than ' if actual_size > size else ''}"
                                     f"{min(actual_size, size)} bytes, the manifest says {size}")
-        if actual_sha != sha256:
-            raise CorruptCheckpoint(f"{self.url}/{key} fails its sha256 check")
+        if actual_digest != digest:
+            raise CorruptCheckpoint(f"{self.url}/{key} fails its {algorithm} check")
 
     def copy(self, source: str, dest: str, *, size: int) -> None:
         with self._open_object(source) as reader, self._atomic(dest) as tmp, open(tmp, "wb") as dst:
@@ -255,12 +260,12 @@ def _refused(what: str, e: OSError) -> StorageError:
     return StorageError(f"{what}: {e.strerror}")
 
 
-def _copy(src: BinaryIO, dst: BinaryIO, block_size: int | None, on_bytes: OnBytes | None,
+def _copy(src: BinaryIO, dst: BinaryIO, block_size: int | None, algorithm: str, on_bytes: OnBytes | None,
           abort: threading.Event | None, durable: bool = True, limit: int | None = None) -> tuple[int, str]:
     """Copy in large chunks, hashing on the way (each byte read once); fsync the destination when
     ``durable`` (an object of the remote; a download is not, see Remote.get_file). At most ``limit``
     bytes are read and written (a download stops one byte past the size it expects)."""
-    digest = StreamDigest(block_size)
+    digest = StreamDigest(block_size, algorithm)
     size = 0
     while chunk := src.read(CHUNK if limit is None else min(CHUNK, limit - size)):
         if abort is not None and abort.is_set():
@@ -276,18 +281,20 @@ def _copy(src: BinaryIO, dst: BinaryIO, block_size: int | None, on_bytes: OnByte
     return size, digest.hexdigest()
 
 
-def _set_sha256(path: Path, sha256: str) -> None:
+def _set_digest(path: Path, digest: str) -> None:
     try:
-        os.setxattr(path, XATTR_SHA256, sha256.encode())
+        os.setxattr(path, XATTR_DIGEST, digest.encode())
     except OSError:
         logger.debug("no extended attributes on %s; a resumed upload will copy it again", path)
 
 
-def _get_sha256(path: Path) -> str | None:
-    try:
-        return os.getxattr(path, XATTR_SHA256).decode()
-    except OSError:
-        return None
+def _get_digest(path: Path) -> str | None:
+    for name in (XATTR_DIGEST, XATTR_LEGACY):
+        try:
+            return os.getxattr(path, name).decode()
+        except OSError:
+            continue
+    return None
 
 
 class _Bounded:

@@ -1,13 +1,17 @@
 """File digests, computed while files are written, sent or received, or in one read; writeback hints.
 
-Two digests exist, and a manifest entry says which one it holds by its ``block_size``:
+Three digests exist; a manifest entry says which one it holds by its ``block_size`` and algorithm:
 
 * ``block_size`` None (format 1): the sha256 of the file's bytes. One stream, in order: a transfer
   must hash its parts one after the other, on one core.
-* ``block_size`` B (format 2, written by default): the sha256 of the concatenated sha256 digests of
-  the file's B-byte blocks (the last one may be shorter; an empty file has no blocks). Every block
-  can be hashed by whichever thread holds its bytes, so a transfer of eight ranges hashes on eight
-  threads, while the bytes are still in that thread's cache. (The idea of S3's composite checksums.)
+* ``block_size`` B, sha256 (format 2): the sha256 of the concatenated sha256 digests of the file's
+  B-byte blocks (the last one may be shorter; an empty file has no blocks). Every block can be hashed
+  by whichever thread holds its bytes, so a transfer of eight ranges hashes on eight threads, while
+  the bytes are still in that thread's cache. (The idea of S3's composite checksums.)
+* ``block_size`` B, BLAKE3 (format 3, written by default): the same construction with BLAKE3 (PyPI
+  ``blake3``) in place of sha256, for blocks and for their combination. BLAKE3 is a cryptographic
+  hash too (every byte verified end to end, no CRC, no sampling), about twice as fast as sha256 per
+  core here, and it releases the GIL like hashlib does.
 """
 from __future__ import annotations
 
@@ -19,13 +23,33 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import BinaryIO, Callable
+from typing import BinaryIO, Callable, Protocol
+
+import blake3
 
 logger = logging.getLogger(__name__)
 
 CHUNK = 8 * 1024 * 1024
-BLOCK_SIZE = 1024 * 1024  # format 2's block: transfers align their ranges and parts to it
-HASH_THREADS = 4  # file_digest's readers: hashlib releases the GIL on large buffers
+BLOCK_SIZE = 1024 * 1024  # the block of formats 2 and 3: transfers align their ranges and parts to it
+HASH_THREADS = 4  # file_digest's readers: hashlib and blake3 release the GIL on large buffers
+SHA256, BLAKE3 = "sha256", "blake3"
+ALGORITHMS = (SHA256, BLAKE3)
+ALGORITHM = BLAKE3  # what new checkpoints use (format 3)
+
+
+class _Hash(Protocol):
+    def update(self, data: bytes | bytearray | memoryview, /) -> object: ...
+    def digest(self) -> bytes: ...
+    def hexdigest(self) -> str: ...
+
+
+def new_hash(algorithm: str) -> _Hash:
+    """A fresh hash object of ``algorithm`` (one of ALGORITHMS)."""
+    if algorithm == BLAKE3:
+        return blake3.blake3()
+    if algorithm == SHA256:
+        return hashlib.sha256()
+    raise ValueError(f"unknown digest algorithm {algorithm!r} (known: {', '.join(ALGORITHMS)})")
 
 
 def sha256_file(path: Path) -> tuple[int, str]:
@@ -39,9 +63,17 @@ def sha256_file(path: Path) -> tuple[int, str]:
     return size, digest.hexdigest()
 
 
-def combine(block_digests: list[bytes]) -> str:
-    """The format 2 digest of a file from its blocks' sha256 digests, in order."""
-    return hashlib.sha256(b"".join(block_digests)).hexdigest()
+def tagged(algorithm: str, digest: str) -> str:
+    """A digest as stored with a remote object: its algorithm named unless sha256, so that objects
+    uploaded by older builds (a plain hex sha256-family digest) still compare equal to their entries."""
+    return digest if algorithm == SHA256 else f"{algorithm}:{digest}"
+
+
+def combine(block_digests: list[bytes], algorithm: str = ALGORITHM) -> str:
+    """The block digest (formats 2 and 3) of a file from its blocks' digests, in order."""
+    combined = new_hash(algorithm)
+    combined.update(b"".join(block_digests))
+    return combined.hexdigest()
 
 
 def block_count(size: int, block_size: int) -> int:
@@ -53,21 +85,30 @@ def align_up(n: int, block_size: int | None) -> int:
     return n if block_size is None else -(-n // block_size) * block_size
 
 
-def digest_bytes(data: bytes | memoryview, block_size: int | None) -> str:
+def _block_hash(data: bytes | memoryview, algorithm: str) -> bytes:
+    h = new_hash(algorithm)
+    h.update(data)
+    return h.digest()
+
+
+def digest_bytes(data: bytes | memoryview, block_size: int | None, algorithm: str = ALGORITHM) -> str:
     if block_size is None:
         return hashlib.sha256(data).hexdigest()
     view = memoryview(data)
-    return combine([hashlib.sha256(view[i : i + block_size]).digest() for i in range(0, len(view), block_size)])
+    return combine([_block_hash(view[i : i + block_size], algorithm) for i in range(0, len(view), block_size)],
+                   algorithm)
 
 
-def file_digest(path: Path, block_size: int | None, threads: int = HASH_THREADS) -> tuple[int, str]:
-    """Size and digest of a file; format 2 files are read and hashed ``threads`` blocks at a time."""
+def file_digest(path: Path, block_size: int | None, threads: int = HASH_THREADS,
+                algorithm: str = ALGORITHM) -> tuple[int, str]:
+    """Size and digest of a file; block digests (formats 2 and 3) are read and hashed ``threads`` blocks
+    at a time. Format 1 (``block_size`` None) is always a plain sha256."""
     if block_size is None:
         return sha256_file(path)
     fd = os.open(path, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
-        blocks = BlockDigest(size, block_size)
+        blocks = BlockDigest(size, block_size, algorithm)
         per_thread = threading.local()
         span = max(block_size, align_up(CHUNK, block_size))  # each task reads a few MiB, whole blocks
 
@@ -84,17 +125,20 @@ def file_digest(path: Path, block_size: int | None, threads: int = HASH_THREADS)
 
 
 class BlockDigest:
-    """The format 2 digest of a file of known size, fed range by range from any number of threads.
+    """The block digest (formats 2 and 3) of a file of known size, fed range by range from any number of
+    threads.
 
     ``at(offset)`` (a block boundary) gives a feeder for the bytes from there on; each block's digest
     is kept as soon as its last byte arrives. A retried range simply asks for a new feeder.
     """
 
-    def __init__(self, size: int, block_size: int) -> None:
+    def __init__(self, size: int, block_size: int, algorithm: str = ALGORITHM) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, not {block_size}")
+        new_hash(algorithm)  # an unknown algorithm fails here, not in a transfer's threads
         self.size = size
         self.block_size = block_size
+        self.algorithm = algorithm
         self._blocks: list[bytes | None] = [None] * block_count(size, block_size)
 
     def at(self, offset: int) -> RangeHasher:
@@ -106,7 +150,7 @@ class BlockDigest:
         missing = [i for i, d in enumerate(self._blocks) if d is None]
         if missing:
             raise ValueError(f"{len(missing)} block(s) never hashed, the first at byte {missing[0] * self.block_size}")
-        return combine(self._blocks)  # type: ignore[arg-type]
+        return combine(self._blocks, self.algorithm)  # type: ignore[arg-type]
 
     def _done(self, index: int, digest: bytes) -> None:
         self._blocks[index] = digest  # one slot per block: no lock needed
@@ -118,8 +162,9 @@ class _BlockFeed:
     Subclasses say how long the current block is and where a finished block's digest goes.
     """
 
-    def __init__(self) -> None:
-        self._hash = hashlib.sha256()
+    def __init__(self, algorithm: str) -> None:
+        self.algorithm = algorithm
+        self._hash = new_hash(algorithm)
         self._filled = 0
 
     def update(self, data: bytes | bytearray | memoryview) -> None:
@@ -132,7 +177,7 @@ class _BlockFeed:
             view = view[take:]
             if self._filled == block_len:
                 self._finished(self._hash.digest())
-                self._hash, self._filled = hashlib.sha256(), 0
+                self._hash, self._filled = new_hash(self.algorithm), 0
 
     def _block_len(self) -> int:
         raise NotImplementedError
@@ -145,7 +190,7 @@ class RangeHasher(_BlockFeed):
     """Hashes consecutive bytes of a file of known size from a block boundary on."""
 
     def __init__(self, parent: BlockDigest, offset: int) -> None:
-        super().__init__()
+        super().__init__(parent.algorithm)
         self._parent = parent
         self._index = offset // parent.block_size
 
@@ -163,8 +208,8 @@ class RangeHasher(_BlockFeed):
 class StreamDigest(_BlockFeed):
     """A digest of bytes arriving in order, of a size not known in advance (a file being written)."""
 
-    def __init__(self, block_size: int | None) -> None:
-        super().__init__()
+    def __init__(self, block_size: int | None, algorithm: str = ALGORITHM) -> None:
+        super().__init__(SHA256 if block_size is None else algorithm)  # format 1 is a plain sha256
         self.block_size = block_size
         self._blocks: list[bytes] = []
 
@@ -177,7 +222,7 @@ class StreamDigest(_BlockFeed):
     def hexdigest(self) -> str:
         if self.block_size is None:
             return self._hash.hexdigest()
-        return combine(self._blocks + ([self._hash.digest()] if self._filled else []))
+        return combine(self._blocks + ([self._hash.digest()] if self._filled else []), self.algorithm)
 
     def _block_len(self) -> int:
         assert self.block_size is not None
@@ -188,14 +233,15 @@ class StreamDigest(_BlockFeed):
 
 
 class PartDigest:
-    """A file's digest while it moves in parts (ranged GETs, multipart uploads), either format.
+    """A file's digest while it moves in parts (ranged GETs, multipart uploads), any format.
 
-    Format 2: each part (whole blocks) is hashed by the thread that moves it, through ``part(offset)``.
-    Format 1: ``in_order`` is the one sha256 the caller feeds in file order; ``part`` gives None.
+    Formats 2 and 3: each part (whole blocks) is hashed by the thread that moves it, through
+    ``part(offset)``. Format 1: ``in_order`` is the one sha256 the caller feeds in file order; ``part``
+    gives None.
     """
 
-    def __init__(self, size: int, block_size: int | None) -> None:
-        self._blocks = BlockDigest(size, block_size) if block_size is not None else None
+    def __init__(self, size: int, block_size: int | None, algorithm: str = ALGORITHM) -> None:
+        self._blocks = BlockDigest(size, block_size, algorithm) if block_size is not None else None
         self.in_order = hashlib.sha256() if block_size is None else None
 
     def part(self, offset: int) -> RangeHasher | None:
@@ -211,14 +257,15 @@ class PartDigest:
 class HashingWriter:
     """A write-only file wrapper that hashes bytes as they pass, so a file is never re-read to hash it.
 
-    torch.save accepts any object with write/flush; this one also counts the size. ``block_size``
-    chooses the digest (see the module docstring); format 2's is the default.
+    torch.save accepts any object with write/flush; this one also counts the size. ``block_size`` and
+    ``algorithm`` choose the digest (see the module docstring); format 3's is the default.
     """
 
-    def __init__(self, raw: BinaryIO, block_size: int | None = BLOCK_SIZE) -> None:
+    def __init__(self, raw: BinaryIO, block_size: int | None = BLOCK_SIZE, algorithm: str = ALGORITHM) -> None:
         self._raw = raw
-        self._digest = StreamDigest(block_size)
+        self._digest = StreamDigest(block_size, algorithm)
         self.block_size = block_size
+        self.algorithm = self._digest.algorithm
         self.size = 0
         # The first write error, kept because some writers (torch.save's zip writer) replace it with
         # a RuntimeError while cleaning up, and the caller needs the real cause (ENOSPC, EFBIG, EIO).

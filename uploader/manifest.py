@@ -4,12 +4,15 @@ A checkpoint is a folder of data files plus ``manifest.json``. The manifest list
 size and digest, the training position, and ``format_version`` so that old checkpoints stay loadable.
 Readers treat a folder (or a remote prefix) without a manifest as incomplete and never use it.
 
-Format versions (this build reads both, and writes 2):
+Format versions (this build reads all three, and writes 3):
 
 * 1: each file's ``sha256`` is the sha256 of its bytes.
 * 2: a file may also give ``block_size``; its ``sha256`` is then the sha256 of its blocks' sha256
   digests (uploader.hashing), which transfers compute on all their threads at once. A format 2 entry
   without ``block_size`` means what it meant in format 1.
+* 3: a file may give ``blake3`` instead of ``sha256``, always with ``block_size``: the BLAKE3 of its
+  blocks' BLAKE3 digests (uploader.hashing). Entries of formats 1 and 2 stay valid in a format 3
+  manifest (a pulled older checkpoint keeps its digests).
 
 A manifest comes from a disk or a bucket, so it is untrusted input, and :meth:`Manifest.from_json` is
 the one place that decides whether it is usable: at most MAX_MANIFEST_BYTES, strict JSON (no NaN or
@@ -42,12 +45,13 @@ from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
 
 from uploader.exceptions import CorruptCheckpoint, ManifestError, UnsupportedFormat
-from uploader.hashing import file_digest
+from uploader.hashing import ALGORITHMS, BLAKE3, SHA256, file_digest
 
 MANIFEST_NAME = "manifest.json"
-FORMAT_VERSION = 2
-SUPPORTED_FORMAT_VERSIONS = frozenset({1, 2})
+FORMAT_VERSION = 3
+SUPPORTED_FORMAT_VERSIONS = frozenset({1, 2, 3})
 BLOCK_SIZE_SINCE = 2  # the first format_version whose entries may carry block_size
+BLAKE3_SINCE = 3  # the first format_version whose entries may be BLAKE3 block digests
 # Bounds on what a manifest may ask of a reader. A manifest of a 10 000-shard checkpoint is ~1.5 MB.
 MAX_MANIFEST_BYTES = 8 * 1024 * 1024
 MIN_BLOCK_SIZE = 64 * 1024  # at most 16 reads and ~1.2 KiB of block digests per MiB verified
@@ -66,7 +70,7 @@ REPLICATED_FILE = "replicated.pt"
 RANK_FILE_RE = re.compile(r"rank-([0-9]{5})-of-([0-9]{5})\.pt", re.ASCII)
 # torch's FileSystemWriter names its data files __RANK_N.distcp
 DCP_DATA_RE = re.compile(r"__(0|[1-9][0-9]{0,6})_(0|[1-9][0-9]{0,6})\.distcp", re.ASCII)
-_SHA256_RE = re.compile(r"[0-9a-f]{64}", re.ASCII)
+_DIGEST_RE = re.compile(r"[0-9a-f]{64}", re.ASCII)  # sha256 and BLAKE3 alike: 32 bytes in hex
 _INT64 = 2**63
 
 
@@ -90,11 +94,19 @@ class FileEntry:
 
     path: str
     size: int
-    sha256: str
-    block_size: int | None = None  # None: a plain sha256 of the bytes; else see uploader.hashing
+    digest: str  # hex
+    block_size: int | None = None  # None: a plain sha256 of the bytes (format 1); else a block digest
+    # "sha256" or "blake3" (uploader.hashing); left empty: BLAKE3 for a block digest, else sha256
+    algorithm: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.algorithm:
+            object.__setattr__(self, "algorithm", BLAKE3 if self.block_size is not None else SHA256)
+        if self.algorithm not in ALGORITHMS or (self.block_size is None and self.algorithm != SHA256):
+            raise ValueError(f"{self.path}: no {self.algorithm!r} digest without blocks")
 
     def to_doc(self) -> dict[str, Any]:
-        doc: dict[str, Any] = {"path": self.path, "size": self.size, "sha256": self.sha256}
+        doc: dict[str, Any] = {"path": self.path, "size": self.size, self.algorithm: self.digest}
         if self.block_size is not None:
             doc["block_size"] = self.block_size
         return doc
@@ -110,6 +122,10 @@ class Manifest:
     meta: dict[str, Any] = field(default_factory=dict)
     created: float = field(default_factory=time.time)
     format_version: int = FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        if self.format_version < BLAKE3_SINCE and any(f.algorithm == BLAKE3 for f in self.files):
+            raise ValueError(f"format_version {self.format_version} has no BLAKE3 digests")
 
     @property
     def total_size(self) -> int:
@@ -204,11 +220,11 @@ class Manifest:
                     f"{folder}: {entry.path} has {st.st_size} bytes, the manifest says {entry.size} (truncated?)"
                 )
             try:
-                size, digest = file_digest(path, entry.block_size)
+                size, digest = file_digest(path, entry.block_size, algorithm=entry.algorithm)
             except OSError as e:
                 raise CorruptCheckpoint(f"{folder}: {entry.path} cannot be read ({e.strerror or e})") from None
-            if size != entry.size or digest != entry.sha256:
-                raise CorruptCheckpoint(f"{folder}: {entry.path} fails its sha256 check")
+            if size != entry.size or digest != entry.digest:
+                raise CorruptCheckpoint(f"{folder}: {entry.path} fails its {entry.algorithm} check")
 
 
 @contextlib.contextmanager
@@ -275,14 +291,24 @@ def _integer(value: Any, what: str, low: int, high: int) -> int:
 def _file_entry(doc: Any, version: int) -> FileEntry:
     if not isinstance(doc, dict):
         raise ManifestError(f"manifest lists a file entry that is not an object: {_short(doc)}")
-    for key in ("path", "size", "sha256"):
+    for key in ("path", "size"):
         if key not in doc:
             raise ManifestError(f"manifest is missing or has a malformed field: a file entry has no {key!r}")
-    sha256 = doc["sha256"]
-    if not isinstance(sha256, str) or not _SHA256_RE.fullmatch(sha256):
-        raise ManifestError(f"manifest lists a malformed sha256: {_short(sha256)}")
+    algorithms = [a for a in ALGORITHMS if a in doc]
+    if version < BLAKE3_SINCE and BLAKE3 in algorithms:
+        raise ManifestError(f"manifest format_version {version} has no blake3 digests; the manifest is damaged")
+    if len(algorithms) != 1:
+        raise ManifestError("manifest is missing or has a malformed field: a file entry needs one digest "
+                            f"({' or '.join(ALGORITHMS)}), it has {len(algorithms)}")
+    algorithm = algorithms[0]
+    digest = doc[algorithm]
+    if not isinstance(digest, str) or not _DIGEST_RE.fullmatch(digest):
+        raise ManifestError(f"manifest lists a malformed {algorithm}: {_short(digest)}")
+    block_size = _block_size(doc.get("block_size"), version)
+    if algorithm == BLAKE3 and block_size is None:
+        raise ManifestError("manifest lists a blake3 digest without its block_size; the manifest is damaged")
     return FileEntry(path=safe_relpath(doc["path"]), size=_integer(doc["size"], "file size", 0, MAX_FILE_SIZE),
-                     sha256=sha256, block_size=_block_size(doc.get("block_size"), version))
+                     digest=digest, block_size=block_size, algorithm=algorithm)
 
 
 def _block_size(value: Any, version: int) -> int | None:

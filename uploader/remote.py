@@ -26,12 +26,13 @@ OnBytes = Callable[[int], None]
 
 @dataclass(frozen=True)
 class ObjectInfo:
-    """One stored object. ``sha256`` is only known from ``head`` (it is object metadata)."""
+    """One stored object. ``digest`` is only known from ``head`` (it is object metadata): the digest the
+    object was uploaded with, as uploader.hashing.tagged writes it (its algorithm named unless sha256)."""
 
     key: str
     size: int
     modified: float
-    sha256: str | None = None
+    digest: str | None = None
 
 
 class Remote(Protocol):
@@ -48,7 +49,7 @@ class Remote(Protocol):
         ...
 
     def head(self, key: str) -> ObjectInfo | None:
-        """Size and stored sha256 of one object, None if it does not exist."""
+        """Size and stored digest of one object, None if it does not exist."""
         ...
 
     def read_bytes(self, key: str, limit: int | None = None) -> bytes | None:
@@ -67,12 +68,14 @@ class Remote(Protocol):
         path: Path,
         *,
         size: int,
-        sha256: str,
+        digest: str,
+        algorithm: str,
         block_size: int | None = None,
         on_bytes: OnBytes | None = None,
         abort: threading.Event | None = None,
     ) -> None:
-        """Upload a local file whose size and sha256 must match; the sha256 is stored with the object."""
+        """Upload a local file whose size and digest (of ``algorithm``, with ``block_size``: a manifest
+        entry's) must match; the digest is stored with the object."""
         ...
 
     def get_file(
@@ -81,7 +84,8 @@ class Remote(Protocol):
         path: Path,
         *,
         size: int,
-        sha256: str,
+        digest: str,
+        algorithm: str,
         block_size: int | None = None,
         on_bytes: OnBytes | None = None,
         abort: threading.Event | None = None,

@@ -3,8 +3,9 @@
 Works with AWS S3 and S3-compatible servers (MinIO, SeaweedFS, Ceph): path-style addressing is
 available, and the SDK's newer default checksums are switched to "when_required" because many such
 servers reject or mangle them. Integrity is ours instead: every file's digest (the manifest's
-``sha256``, uploader.hashing) is checked while it streams, and stored as ``x-amz-meta-sha256`` so
-that a resumed upload can skip what is already there.
+``blake3`` or ``sha256``, uploader.hashing) is checked while it streams, and stored as
+``x-amz-meta-digest`` (older builds: ``x-amz-meta-sha256``, still read) so that a resumed upload can
+skip what is already there.
 
 Credentials come only from boto3's standard chain (environment, shared files, web identity / IRSA,
 container and instance profiles). They are never passed around, printed or logged; error messages
@@ -55,7 +56,16 @@ from uploader.exceptions import (
     TransientStorageError,
     UploaderError,
 )
-from uploader.hashing import PartDigest, RangeHasher, align_up, digest_bytes, hash_range, pwrite_all, start_writeback
+from uploader.hashing import (
+    PartDigest,
+    RangeHasher,
+    align_up,
+    digest_bytes,
+    hash_range,
+    pwrite_all,
+    start_writeback,
+    tagged,
+)
 from uploader.parallel import ordered_map
 from uploader.redact import redact_url
 from uploader.remote import ObjectInfo, OnBytes, s3_location
@@ -65,7 +75,8 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-SHA256_METADATA = "sha256"  # sent as the x-amz-meta-sha256 header
+DIGEST_METADATA = "digest"  # sent as the x-amz-meta-digest header: uploader.hashing.tagged
+LEGACY_METADATA = "sha256"  # what builds before format 3 sent (a sha256-family digest)
 DELETE_BATCH = 1000  # the most keys one DeleteObjects request takes
 # Downloads stream through buffers of this size (one per worker, one for hashing), never part-sized ones.
 STREAM_CHUNK = 1 * MiB
@@ -187,6 +198,11 @@ def part_size_for(size: int, preferred: int) -> int:
     return -(-minimum // MiB) * MiB
 
 
+def _stored_digest(metadata: dict[str, str]) -> str | None:
+    """The digest an object was uploaded with (uploader.hashing.tagged), from this build or an older one."""
+    return metadata.get(DIGEST_METADATA) or metadata.get(LEGACY_METADATA)
+
+
 class S3Remote:
     """A Remote rooted at ``s3://bucket/prefix``; thread-safe (boto3 clients are)."""
 
@@ -242,7 +258,7 @@ class S3Remote:
                 key,
                 int(reply["ContentLength"]),
                 reply["LastModified"].timestamp(),
-                reply.get("Metadata", {}).get(SHA256_METADATA),
+                _stored_digest(reply.get("Metadata", {})),
             )
 
         return self._call(f"HEAD {key}", op)
@@ -265,7 +281,7 @@ class S3Remote:
         self._call(
             f"PUT {key}",
             lambda: self._client.put_object(
-                Bucket=self.bucket, Key=self._key(key), Body=data, Metadata={SHA256_METADATA: digest}
+                Bucket=self.bucket, Key=self._key(key), Body=data, Metadata={DIGEST_METADATA: digest}
             ),
         )
 
@@ -275,7 +291,8 @@ class S3Remote:
         path: Path,
         *,
         size: int,
-        sha256: str,
+        digest: str,
+        algorithm: str,
         block_size: int | None = None,
         on_bytes: OnBytes | None = None,
         abort: threading.Event | None = None,
@@ -287,9 +304,9 @@ class S3Remote:
         if actual != size:
             raise CorruptCheckpoint(f"{path} has {actual} bytes, the manifest says {size}")
         if size < self.config.multipart_threshold:
-            self._put_single(key, path, size, sha256, block_size, on_bytes, abort)
+            self._put_single(key, path, size, digest, algorithm, block_size, on_bytes, abort)
         else:
-            self._put_multipart(key, path, size, sha256, block_size, on_bytes, abort)
+            self._put_multipart(key, path, size, digest, algorithm, block_size, on_bytes, abort)
 
     def get_file(
         self,
@@ -297,7 +314,8 @@ class S3Remote:
         path: Path,
         *,
         size: int,
-        sha256: str,
+        digest: str,
+        algorithm: str,
         block_size: int | None = None,
         on_bytes: OnBytes | None = None,
         abort: threading.Event | None = None,
@@ -309,7 +327,7 @@ class S3Remote:
             raise CorruptCheckpoint(f"{self.url}/{key} has {info.size} bytes, the manifest says {size}")
         step = align_up(self.config.part_size, block_size)  # a range holds whole blocks: its thread hashes them
         ranges = [(start, min(start + step, size) - 1) for start in range(0, size, step)]
-        digest = PartDigest(size, block_size)
+        received = PartDigest(size, block_size, algorithm)
         failed = threading.Event()
         should_abort = _either(failed, abort)
         buffers = threading.local()  # one reused streaming buffer per worker thread
@@ -335,7 +353,7 @@ class S3Remote:
                             buffers.chunk = bytearray(STREAM_CHUNK)
                         # Each attempt hashes afresh: a retried range must not count its first bytes twice.
                         _stream_into(body, fd, first, last - first + 1, buffers.chunk, write_lock,
-                                     digest.part(first))
+                                     received.part(first))
 
                 self._call(f"GET {key} bytes {first}-{last}", op, should_abort)
                 start_writeback(fd, first, last - first + 1)
@@ -343,16 +361,16 @@ class S3Remote:
 
             window = max(1, min(self.config.concurrency, len(ranges)))
             parts_in_order = ordered_map(fetch, ranges, window=window, failed=failed, name="uploader-get")
-            hash_buffer = bytearray(STREAM_CHUNK if digest.in_order is not None else 0)
+            hash_buffer = bytearray(STREAM_CHUNK if received.in_order is not None else 0)
             with contextlib.closing(parts_in_order) as parts:
                 for first, last in parts:
-                    if digest.in_order is not None:  # format 1: in order, read back from the page cache
-                        hash_range(digest.in_order, fd, first, last - first + 1, hash_buffer)
+                    if received.in_order is not None:  # format 1: in order, read back from the page cache
+                        hash_range(received.in_order, fd, first, last - first + 1, hash_buffer)
                     if on_bytes is not None:
                         on_bytes(last - first + 1)
         # No fsync (Remote.get_file): writeback has started per range; the bucket is the durable copy.
-        if digest.hexdigest() != sha256:
-            raise CorruptCheckpoint(f"{self.url}/{key} fails its sha256 check")
+        if received.hexdigest() != digest:
+            raise CorruptCheckpoint(f"{self.url}/{key} fails its {algorithm} check")
 
     def copy(self, source: str, dest: str, *, size: int) -> None:
         """Server-side: one CopyObject up to 5 GiB, UploadPartCopy in parts above (S3's limit)."""
@@ -401,17 +419,17 @@ class S3Remote:
     # -- transfers ------------------------------------------------------------------------------
 
     def _put_single(
-        self, key: str, path: Path, size: int, sha256: str, block_size: int | None, on_bytes: OnBytes | None,
-        abort: threading.Event | None
+        self, key: str, path: Path, size: int, digest: str, algorithm: str, block_size: int | None,
+        on_bytes: OnBytes | None, abort: threading.Event | None
     ) -> None:
         """Small files: read once into memory, check, then PUT (a retry re-sends the same bytes)."""
         data = _read_local(path)
-        if len(data) != size or digest_bytes(data, block_size) != sha256:
-            raise CorruptCheckpoint(f"{path} does not match its manifest (size or sha256); not uploading it")
+        if len(data) != size or digest_bytes(data, block_size, algorithm) != digest:
+            raise CorruptCheckpoint(f"{path} does not match its manifest (size or {algorithm}); not uploading it")
         self._call(
             f"PUT {key}",
             lambda: self._client.put_object(
-                Bucket=self.bucket, Key=self._key(key), Body=data, Metadata={SHA256_METADATA: sha256}
+                Bucket=self.bucket, Key=self._key(key), Body=data, Metadata={DIGEST_METADATA: tagged(algorithm, digest)}
             ),
             _either(None, abort),
         )
@@ -419,8 +437,8 @@ class S3Remote:
             on_bytes(size)
 
     def _put_multipart(
-        self, key: str, path: Path, size: int, sha256: str, block_size: int | None, on_bytes: OnBytes | None,
-        abort: threading.Event | None
+        self, key: str, path: Path, size: int, digest: str, algorithm: str, block_size: int | None,
+        on_bytes: OnBytes | None, abort: threading.Event | None
     ) -> None:
         """Large files: parts read in order, sent ``concurrency`` at a time, hashed as they are read
         (format 1) or by the thread that sends them (format 2: parts hold whole blocks).
@@ -430,13 +448,13 @@ class S3Remote:
         """
         full = self._key(key)
         part_size = align_up(part_size_for(size, self.config.part_size), block_size)
-        digest = PartDigest(size, block_size)
+        sent_digest = PartDigest(size, block_size, algorithm)
         failed = threading.Event()
         should_abort = _either(failed, abort)
         upload_id = self._call(
             f"start multipart upload of {key}",
             lambda: self._client.create_multipart_upload(
-                Bucket=self.bucket, Key=full, Metadata={SHA256_METADATA: sha256}
+                Bucket=self.bucket, Key=full, Metadata={DIGEST_METADATA: tagged(algorithm, digest)}
             )["UploadId"],
             should_abort,
         )
@@ -448,8 +466,8 @@ class S3Remote:
                 with open(path, "rb") as f:
                     number = 1
                     while chunk := f.read(part_size):
-                        if digest.in_order is not None:
-                            digest.in_order.update(chunk)
+                        if sent_digest.in_order is not None:
+                            sent_digest.in_order.update(chunk)
                         read += len(chunk)
                         yield number, chunk
                         number += 1
@@ -458,7 +476,7 @@ class S3Remote:
 
         def send(item: tuple[int, bytes]) -> dict[str, Any]:
             number, chunk = item
-            hasher = digest.part((number - 1) * part_size)
+            hasher = sent_digest.part((number - 1) * part_size)
             if hasher is not None:
                 hasher.update(chunk)
             etag = self._call(
@@ -477,8 +495,8 @@ class S3Remote:
                 ordered_map(send, chunks(), window=self.config.concurrency, failed=failed, name="uploader-put")
             ) as sent:
                 parts = list(sent)
-            if read != size or digest.hexdigest() != sha256:
-                raise CorruptCheckpoint(f"{path} does not match its manifest (size or sha256); not uploading it")
+            if read != size or sent_digest.hexdigest() != digest:
+                raise CorruptCheckpoint(f"{path} does not match its manifest (size or {algorithm}); not uploading it")
             self._call(
                 f"complete multipart upload of {key}",
                 lambda: self._client.complete_multipart_upload(

@@ -1,6 +1,6 @@
 """The commit protocol between a local checkpoint folder and a Remote: push, list, pull, retention.
 
-Push: data files first (each skipped if the remote already holds it with the same size and sha256,
+Push: data files first (each skipped if the remote already holds it with the same size and digest,
 so an interrupted upload resumes), the manifest last, then ``latest``, then retention. A remote
 checkpoint without its manifest is incomplete and is never pulled; if a *different* checkpoint of
 the same step is already remote, its manifest is deleted before any of its files are replaced.
@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from uploader.exceptions import CorruptCheckpoint, ManifestError, StorageError, UnsupportedFormat
+from uploader.hashing import tagged
 from uploader.layout import (
     LATEST_KEY,
     checkpoint_of,
@@ -203,8 +204,8 @@ def pull_files(remote: Remote, manifest: Manifest, paths: Collection[str], dest:
     for entry in wanted:
         target = _inside(dest, entry.path)
         target.parent.mkdir(parents=True, exist_ok=True)
-        remote.get_file(data_key(name, entry.path), target, size=entry.size, sha256=entry.sha256,
-                        block_size=entry.block_size, on_bytes=progress.add, abort=abort)
+        remote.get_file(data_key(name, entry.path), target, size=entry.size, digest=entry.digest,
+                        algorithm=entry.algorithm, block_size=entry.block_size, on_bytes=progress.add, abort=abort)
     progress.close()
     return sum(f.size for f in wanted)
 
@@ -254,12 +255,12 @@ def _upload(ckpt: LocalCheckpoint, remote: Remote, abort: threading.Event | None
     for entry in manifest.files:
         key = data_key(ckpt.name, entry.path)
         there = remote.head(key)
-        if there is not None and there.size == entry.size and there.sha256 == entry.sha256:
+        if there is not None and there.size == entry.size and there.digest == tagged(entry.algorithm, entry.digest):
             skipped += 1
             progress.add(entry.size)
             continue
-        remote.put_file(key, ckpt.path / entry.path, size=entry.size, sha256=entry.sha256,
-                        block_size=entry.block_size, on_bytes=progress.add, abort=abort)
+        remote.put_file(key, ckpt.path / entry.path, size=entry.size, digest=entry.digest,
+                        algorithm=entry.algorithm, block_size=entry.block_size, on_bytes=progress.add, abort=abort)
     remote.write_bytes(marker, raw)
     progress.close()
     logger.info("uploaded %s to %s (%d files, %d bytes%s)", marker if part else ckpt.name, remote.url,
@@ -469,8 +470,8 @@ def _download(
         for entry in manifest.files:
             dest = _inside(staging, entry.path)
             dest.parent.mkdir(parents=True, exist_ok=True)
-            remote.get_file(data_key(name, entry.path), dest, size=entry.size, sha256=entry.sha256,
-                            block_size=entry.block_size, on_bytes=progress.add, abort=abort)
+            remote.get_file(data_key(name, entry.path), dest, size=entry.size, digest=entry.digest,
+                            algorithm=entry.algorithm, block_size=entry.block_size, on_bytes=progress.add, abort=abort)
         progress.close()
         return commit(staging, manifest)
     except BaseException:

@@ -39,7 +39,7 @@ def test_checkpoints_are_committed_with_a_manifest_and_pruned(saved):
     assert doc["timer"] == state.timer.state_dict()
     (entry,) = doc["files"]
     assert entry["block_size"] == BLOCK_SIZE
-    assert (entry["size"], entry["sha256"]) == file_digest(newest / STATE_FILE, BLOCK_SIZE)
+    assert (entry["size"], entry["blake3"]) == file_digest(newest / STATE_FILE, BLOCK_SIZE)  # format 3
     assert doc["meta"]["seed"] == 7
 
 
@@ -107,17 +107,23 @@ class _Exploit:
         return (Path.touch, (self.sentinel,))
 
 
-def _as_format_1(ckpt_path: Path) -> None:
-    """Rewrite a checkpoint's manifest the way the first release wrote it: plain sha256, no block_size."""
+def _as_format(ckpt_path: Path, version: int) -> None:
+    """Rewrite a checkpoint's manifest the way an older release wrote it: format 1, a plain sha256 and no
+    block_size; format 2, sha256 block digests."""
     manifest = Manifest.read(ckpt_path)
-    files = tuple(FileEntry(f.path, *sha256_file(ckpt_path / f.path)) for f in manifest.files)
-    (ckpt_path / "manifest.json").write_bytes(replace(manifest, files=files, format_version=1).to_json())
+    if version == 1:
+        files = tuple(FileEntry(f.path, *sha256_file(ckpt_path / f.path)) for f in manifest.files)
+    else:
+        files = tuple(FileEntry(f.path, *file_digest(ckpt_path / f.path, BLOCK_SIZE, algorithm="sha256"), BLOCK_SIZE,
+                                "sha256") for f in manifest.files)
+    (ckpt_path / "manifest.json").write_bytes(replace(manifest, files=files, format_version=version).to_json())
 
 
-def test_a_format_1_checkpoint_resumes_bit_for_bit_and_is_still_checked(tiny_config, saved):
+@pytest.mark.parametrize("version", [1, 2])
+def test_an_older_format_checkpoint_resumes_bit_for_bit_and_is_still_checked(tiny_config, saved, version):
     state, folder = saved
     for step in (30, 40):
-        _as_format_1(folder / local.checkpoint_name(step))
+        _as_format(folder / local.checkpoint_name(step), version)
     newest = folder / local.checkpoint_name(40)
 
     resumed = train_state(tiny_config(max_duration="40ba"), ckpt_config(folder, interval="10ba"), stop_at=0)
@@ -125,7 +131,8 @@ def test_a_format_1_checkpoint_resumes_bit_for_bit_and_is_still_checked(tiny_con
     assert resumed.timer.batch.value == 40
     assert model_sha256(resumed.model.state_dict()) == model_sha256(state.model.state_dict())
     entry = json.loads((newest / "manifest.json").read_text())
-    assert entry["format_version"] == 1 and "block_size" not in entry["files"][0]
+    assert entry["format_version"] == version and "sha256" in entry["files"][0]
+    assert ("block_size" in entry["files"][0]) == (version == 2)
     _flip_byte(newest / STATE_FILE)
     found = Checkpointer(folder, 3, {}).newest()
     assert found is not None and found[0].step == 30

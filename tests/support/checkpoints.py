@@ -9,7 +9,7 @@ import random
 from collections.abc import Mapping
 from pathlib import Path
 
-from uploader.hashing import BLOCK_SIZE, StreamDigest
+from uploader.hashing import BLAKE3, BLOCK_SIZE, SHA256, StreamDigest
 from uploader.local import FINISHED_NAME, LocalCheckpoint, commit, staging_dir
 from uploader.manifest import FORMAT_VERSION, FileEntry, Manifest
 from uploader.remote import Remote
@@ -31,14 +31,15 @@ def make_checkpoint(
     """Write ``files`` (relative path -> size) with random (incompressible) bytes into a staging folder
     and commit it. Any size works: the bytes are drawn and hashed a chunk at a time.
 
-    ``block_size`` None with ``format_version=1`` is a checkpoint as the first release wrote it."""
+    ``block_size`` None with ``format_version=1`` is a checkpoint as the first release wrote it; format 2
+    has sha256 block digests, format 3 (the default) BLAKE3 ones."""
     rng = random.Random(step if seed is None else seed)
     staging = staging_dir(folder, step)
     entries = []
     for relpath, size in files.items():
         path = staging / relpath
         path.parent.mkdir(parents=True, exist_ok=True)
-        digest = StreamDigest(block_size)
+        digest = StreamDigest(block_size, BLAKE3 if format_version >= 3 else SHA256)
         with open(path, "wb") as f:
             for start in range(0, size, CHUNK):
                 data = rng.randbytes(min(CHUNK, size - start))
@@ -46,7 +47,8 @@ def make_checkpoint(
                 digest.update(memoryview(data))
             f.flush()
             os.fsync(f.fileno())
-        entries.append(FileEntry(path=relpath, size=size, sha256=digest.hexdigest(), block_size=block_size))
+        entries.append(FileEntry(path=relpath, size=size, digest=digest.hexdigest(), block_size=block_size,
+                                 algorithm=digest.algorithm))
     manifest = Manifest(step=step, files=tuple(entries), timer={"epoch": 0, "batch": step}, format_version=format_version,
                         meta=dict(meta or {}))
     return commit(staging, manifest)

@@ -185,8 +185,8 @@ def test_a_ranged_download_trickled_mid_body_gives_up_within_the_budget(
     fault_proxy.trickle(TRICKLE, after=100_000)
 
     error = outcome_within(ENDS_WITHIN, lambda: remote.get_file(
-        data_key(ckpt.name, big.path), tmp_path / "big.bin", size=big.size, sha256=big.sha256,
-        block_size=big.block_size))
+        data_key(ckpt.name, big.path), tmp_path / "big.bin", size=big.size, digest=big.digest,
+        algorithm=big.algorithm, block_size=big.block_size))
 
     assert isinstance(error, TransientStorageError), error
     assert "bytes" in str(error) and "retry budget" in str(error)  # a range failed, not the HEAD

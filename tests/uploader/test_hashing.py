@@ -1,5 +1,6 @@
-"""Format 2's block digest: every way of computing it (while writing, per range on many threads, from
-a file, from bytes) gives the same value, and a damaged or missing block is never taken for whole."""
+"""The block digests of formats 2 (sha256) and 3 (BLAKE3): every way of computing one (while writing,
+per range on many threads, from a file, from bytes) gives the same value, and a damaged or missing
+block is never taken for whole."""
 from __future__ import annotations
 
 import hashlib
@@ -7,18 +8,32 @@ import io
 import random
 from pathlib import Path
 
+import blake3
 import pytest
 
-from uploader.hashing import BlockDigest, HashingWriter, StreamDigest, align_up, digest_bytes, file_digest
+from uploader.hashing import (
+    ALGORITHM,
+    ALGORITHMS,
+    BLAKE3,
+    BlockDigest,
+    HashingWriter,
+    StreamDigest,
+    align_up,
+    digest_bytes,
+    file_digest,
+    new_hash,
+)
 
 B = 4096  # a small block keeps the sizes small; the code has no special case for 1 MiB
 SIZES = [0, 1, B - 1, B, B + 1, 3 * B + 5]
 
 
-def reference(data: bytes, block_size: int) -> str:
-    """The definition, spelled out: sha256 of the concatenated sha256 digests of the blocks."""
-    blocks = [hashlib.sha256(data[i : i + block_size]).digest() for i in range(0, len(data), block_size)]
-    return hashlib.sha256(b"".join(blocks)).hexdigest()
+def reference(data: bytes, block_size: int, algorithm: str) -> str:
+    """The definition, spelled out with the libraries themselves: the hash of the concatenated hashes of
+    the blocks (sha256 for format 2, BLAKE3 for format 3)."""
+    hash_of = {"sha256": lambda b: hashlib.sha256(b).digest(), "blake3": lambda b: blake3.blake3(b).digest()}[algorithm]
+    blocks = [hash_of(data[i : i + block_size]) for i in range(0, len(data), block_size)]
+    return hash_of(b"".join(blocks)).hex()
 
 
 def random_pieces(data: bytes, rng: random.Random) -> list[bytes]:
@@ -30,34 +45,36 @@ def random_pieces(data: bytes, rng: random.Random) -> list[bytes]:
     return pieces
 
 
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("size", SIZES)
-def test_every_way_of_computing_it_agrees(tmp_path: Path, size: int) -> None:
+def test_every_way_of_computing_it_agrees(tmp_path: Path, size: int, algorithm: str) -> None:
     rng = random.Random(size)
     data = rng.randbytes(size)
-    expected = reference(data, B)
+    expected = reference(data, B, algorithm)
 
-    stream = StreamDigest(B)
+    stream = StreamDigest(B, algorithm)
     for piece in random_pieces(data, rng):
         stream.update(memoryview(piece))
 
     sink = io.BytesIO()
-    writer = HashingWriter(sink, block_size=B)
+    writer = HashingWriter(sink, block_size=B, algorithm=algorithm)
     for piece in random_pieces(data, rng):
         writer.write(piece)
 
     path = tmp_path / "f"
     path.write_bytes(data)
 
-    assert digest_bytes(data, B) == stream.hexdigest() == writer.hexdigest() == expected
-    assert file_digest(path, B, threads=3) == (size, expected)
+    assert digest_bytes(data, B, algorithm) == stream.hexdigest() == writer.hexdigest() == expected
+    assert file_digest(path, B, threads=3, algorithm=algorithm) == (size, expected)
     assert sink.getvalue() == data and writer.size == size
 
 
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("size", SIZES)
-def test_ranges_hashed_in_any_order_and_retried_give_the_same_digest(size: int) -> None:
+def test_ranges_hashed_in_any_order_and_retried_give_the_same_digest(size: int, algorithm: str) -> None:
     rng = random.Random(size)
     data = rng.randbytes(size)
-    blocks = BlockDigest(size, B)
+    blocks = BlockDigest(size, B, algorithm)
     span = align_up(B + 1, B)  # two blocks per range, as a 5.5 MiB part over 1 MiB blocks is aligned
     starts = list(range(0, size, span))
     rng.shuffle(starts)
@@ -67,7 +84,7 @@ def test_ranges_hashed_in_any_order_and_retried_give_the_same_digest(size: int) 
         retry = blocks.at(start)  # ...and its retry, hashing the range afresh
         for piece in random_pieces(part, rng):
             retry.update(piece)
-    assert blocks.hexdigest() == reference(data, B)
+    assert blocks.hexdigest() == reference(data, B, algorithm)
 
 
 def test_a_flipped_byte_changes_the_digest() -> None:
@@ -102,3 +119,13 @@ def test_format_1_is_a_plain_sha256(tmp_path: Path) -> None:
     writer.write(data)
     assert digest_bytes(data, None) == writer.hexdigest() == file_digest(path, None)[1] == plain
     assert align_up(5, None) == 5
+
+
+def test_new_checkpoints_use_blake3_and_the_two_block_digests_differ() -> None:
+    data = random.Random(2).randbytes(3 * B + 5)
+    assert ALGORITHM == BLAKE3 and digest_bytes(data, B) == reference(data, B, "blake3")
+    assert digest_bytes(data, B, "sha256") != digest_bytes(data, B, "blake3")
+    with pytest.raises(ValueError, match="unknown digest algorithm"):
+        new_hash("md5")
+    with pytest.raises(ValueError, match="unknown digest algorithm"):
+        BlockDigest(10, B, "crc32")

@@ -1,4 +1,4 @@
-"""The manifest's versioned format: both versions read, damaged or unknown ones refused with a reason."""
+"""The manifest's versioned format: all three versions read, damaged or unknown ones refused with a reason."""
 from __future__ import annotations
 
 import hashlib
@@ -26,15 +26,61 @@ def folder_with_data(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def test_this_build_writes_format_2_with_block_sizes_and_reads_it_back(tmp_path: Path) -> None:
+def test_this_build_writes_format_3_with_blake3_block_digests_and_reads_it_back(tmp_path: Path) -> None:
     entry = FileEntry("state.pt", len(DATA), digest_bytes(DATA, BLOCK), block_size=BLOCK)
     manifest = Manifest(step=3, files=(entry,))
+    written = json.loads(manifest.to_json())
+    assert FORMAT_VERSION == 3 and written["format_version"] == 3
+    assert written["files"] == [{"path": "state.pt", "size": len(DATA), "blake3": entry.digest, "block_size": BLOCK}]
     back = Manifest.from_json(manifest.to_json())
-    assert FORMAT_VERSION == 2 and back == manifest
+    assert back == manifest and back.files[0].algorithm == "blake3"
     back.verify(folder_with_data(tmp_path))
 
 
-@pytest.mark.parametrize("version", [1, 2])
+def test_a_format_2_checkpoint_still_verifies_with_its_sha256_blocks(tmp_path: Path) -> None:
+    manifest = Manifest.from_json(doc(2, block_size=BLOCK, sha256=digest_bytes(DATA, BLOCK, "sha256")))
+    assert (manifest.format_version, manifest.files[0].algorithm) == (2, "sha256")
+    manifest.verify(folder_with_data(tmp_path))
+    (tmp_path / "state.pt").write_bytes(DATA[:-1] + b"x")
+    with pytest.raises(CorruptCheckpoint, match="fails its sha256 check"):
+        manifest.verify(tmp_path)
+
+
+def test_a_format_3_manifest_may_keep_older_entries_and_checks_its_blake3_ones(tmp_path: Path) -> None:
+    blake = {"path": "other.pt", "size": len(DATA), "blake3": digest_bytes(DATA, BLOCK), "block_size": BLOCK}
+    raw = json.loads(doc(3))
+    raw["files"].append(blake)
+    manifest = Manifest.from_json(json.dumps(raw).encode())
+    assert [f.algorithm for f in manifest.files] == ["sha256", "blake3"]
+    (tmp_path / "other.pt").write_bytes(DATA[:-1] + b"x")
+    folder_with_data(tmp_path)
+    with pytest.raises(CorruptCheckpoint, match="other.pt fails its blake3 check"):
+        manifest.verify(tmp_path)
+
+
+@pytest.mark.parametrize("entry,why", [
+    ({"blake3": "0" * 64, "block_size": BLOCK}, "needs one digest"),  # both a sha256 and a blake3
+    ({"sha256": None, "blake3": "0" * 64}, "without its block_size"),
+    ({"sha256": None, "blake3": "Z" * 64, "block_size": BLOCK}, "malformed blake3"),
+    ({"sha256": None}, "needs one digest"),
+])
+def test_a_malformed_digest_is_refused(entry: dict[str, Any], why: str) -> None:
+    raw = json.loads(doc(3))
+    raw["files"][0].update(entry)
+    raw["files"][0] = {k: v for k, v in raw["files"][0].items() if v is not None}
+    with pytest.raises(ManifestError, match=why):
+        Manifest.from_json(json.dumps(raw).encode())
+
+
+def test_formats_1_and_2_have_no_blake3() -> None:
+    for version in (1, 2):
+        raw = json.loads(doc(version))
+        raw["files"][0] = {"path": "state.pt", "size": len(DATA), "blake3": "0" * 64, "block_size": BLOCK}
+        with pytest.raises(ManifestError, match=f"format_version {version} has no blake3"):
+            Manifest.from_json(json.dumps(raw).encode())
+
+
+@pytest.mark.parametrize("version", [1, 2, 3])
 def test_an_entry_without_block_size_is_a_plain_sha256(tmp_path: Path, version: int) -> None:
     manifest = Manifest.from_json(doc(version))
     assert manifest.format_version == version and manifest.files[0].block_size is None
@@ -58,12 +104,12 @@ def test_a_malformed_block_size_is_refused(bad: Any) -> None:
         Manifest.from_json(doc(2, block_size=bad))
 
 
-@pytest.mark.parametrize("version", [0, 3, "2", None, True])
+@pytest.mark.parametrize("version", [0, 4, "2", None, True])
 def test_an_unknown_format_version_asks_for_an_upgrade(version: Any) -> None:
     with pytest.raises(ManifestError, match="not supported.*upgrade spot-trainer") as raised:
         Manifest.from_json(doc(version))  # type: ignore[arg-type]
     # Only a higher version is a newer build's (refused by resume and pull); the rest are damage (skipped).
-    assert isinstance(raised.value, UnsupportedFormat) == (version == 3)
+    assert isinstance(raised.value, UnsupportedFormat) == (version == 4)
 
 
 SHARDED = ["dcp-metadata.json", "replicated.pt", "rank-00000-of-00002.pt", "rank-00001-of-00002.pt", "__0_0.distcp",

@@ -128,7 +128,8 @@ def test_a_file_remote_never_follows_a_link_to_dev_zero(tmp_path: Path, restore:
     assert "state.pt" not in {o.key.rpartition("/")[2] for o in remote.list(checkpoint_name(20))}
     assert remote.head(data_key(checkpoint_name(20), "state.pt")) is None
     with pytest.raises(CorruptCheckpoint, match="not a regular file"):
-        remote.get_file(data_key(checkpoint_name(20), "state.pt"), tmp_path / "out", size=10, sha256="0" * 64)
+        remote.get_file(data_key(checkpoint_name(20), "state.pt"), tmp_path / "out", size=10, digest="0" * 64,
+                        algorithm="sha256")
     pulled = pull_newest(remote, restore, set_aside_corrupt=False)
     assert pulled is not None and pulled.step == 10
 
@@ -138,7 +139,7 @@ def test_a_file_remote_download_stops_one_byte_past_the_declared_size(tmp_path: 
     remote.write_bytes("step-000000000001/state.pt", os.urandom(3 * 1024 * 1024))
     out = tmp_path / "out"
     with pytest.raises(CorruptCheckpoint, match="more than 1000 bytes"):
-        remote.get_file("step-000000000001/state.pt", out, size=1000, sha256="0" * 64)
+        remote.get_file("step-000000000001/state.pt", out, size=1000, digest="0" * 64, algorithm="sha256")
     assert out.stat().st_size == 1001
 
 
