@@ -251,6 +251,8 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
                 stop.request("another rank is stopping")
             if checkpoint_now:
                 cadence.take(state)
+            else:  # a sharded checkpoint in flight completes once every rank has written its part
+                checkpointer.poll()
             if store is not None:
                 store.check()
 

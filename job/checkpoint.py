@@ -16,15 +16,18 @@ import shutil
 import threading
 import time
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import torch
+from torch.distributed.checkpoint.storage import WriteResult
 
 from job import dcp_storage, distributed, sharded
 from job.exceptions import CheckpointLoadError, CheckpointWriteError
 from job.logs import event
-from job.safe_load import clip, load_weights_only
+from job.safe_load import clip, first_line, load_weights_only
+from job.sharded import HostStaging
 from job.snapshot import HostSnapshot
 from state import State
 from uploader import local
@@ -50,6 +53,19 @@ class Checkpointer:
     doing anything, and the caller tries again after the next step: the loop never waits on the disk
     and never touches buffers that are being written. ``save`` is the durable path (end of training,
     preemption): it waits for the one in flight, then writes and commits before returning.
+
+    Sharded (``sharded=True``, FSDP2) saves are asynchronous too, but a sharded save needs collectives
+    (DCP's planning, then every rank's write results for the metadata and the manifest), and those
+    must run in the training thread only: a background thread's collectives would interleave with
+    training's own all-gathers in a different order on each rank (job.sharded). So a sharded save runs
+    in three parts. In ``save_async`` (every rank): each rank copies its shards and its own state into
+    reused host buffers (job.sharded.HostStaging, job.snapshot) and DCP plans the save, collectively.
+    In a background thread per rank, with no collective: the files are written, fsynced and hashed
+    from the copies. After a later step, in :meth:`poll` (or the next ``save_async``, ``save`` or
+    ``wait``), once every rank's thread is done: one gather of the results, then rank 0 (or, when the
+    nodes have disks of their own, each node leader for its node's part) writes the metadata and
+    commits, in a thread of its own when a poll got there first. A failure anywhere is a CheckpointWriteError on every rank at that
+    gather, the staging folder removed and the previous checkpoint untouched.
     """
 
     def __init__(self, folder: Path, keep: int, meta: dict[str, Any],
@@ -57,14 +73,18 @@ class Checkpointer:
                  on_commit: Callable[[local.LocalCheckpoint], None] | None = None,
                  pin_memory: bool = False, sharded: bool = False) -> None:
         self.folder = folder
-        self.sharded = sharded  # FSDP2: every save is a collective, synchronous sharded write
+        self.sharded = sharded  # FSDP2: every save is sharded, with collectives in the training thread only
         self.keep = keep
         self.meta = meta
         self.protect = protect or set
         self.on_commit = on_commit
-        self.last_stall_seconds: float | None = None  # how long the loop was blocked by the last save
+        # How long the loop was blocked by the last save (a sharded one's: its copy and plan, then the gather
+        # that completes it after a later step).
+        self.last_stall_seconds: float | None = None
         self.last_write_seconds: float | None = None  # serialize + hash + fsync + commit of the last one
         self._snapshot = HostSnapshot(pin_memory)
+        self._host_shards = HostStaging(pin_memory)
+        self._pending: _ShardedSave | None = None  # the sharded checkpoint in flight, on every rank alike
         self._writer: threading.Thread | None = None
         self._reserving: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -82,12 +102,15 @@ class Checkpointer:
         return any(c.step == step for c in local.list_committed(self.folder))
 
     def in_flight(self) -> bool:
-        """A checkpoint is being written."""
+        """A checkpoint is being written (sharded: taken and not yet committed)."""
+        if self.sharded:
+            return self._pending is not None
         return self._writer is not None and self._writer.is_alive()
 
     def busy(self) -> bool:
         """A thread of ours is still working in torch: writing, or reserving the snapshot buffers."""
-        return any(t is not None and t.is_alive() for t in (self._writer, self._reserving))
+        sharded_thread = self._pending.thread if self._pending is not None else None
+        return any(t is not None and t.is_alive() for t in (self._writer, self._reserving, sharded_thread))
 
     def reserve(self, state: State) -> None:
         """Allocate the snapshot buffers in the background now, so the first checkpoint stalls the loop
@@ -102,9 +125,8 @@ class Checkpointer:
     def save_async(self, state: State) -> bool:
         """Snapshot ``state`` and write it in the background; False (nothing done) while one is in flight."""
         self._raise_background_error()
-        if self.sharded:  # a background thread must not run collectives beside training's all-gathers
-            self.save(state)
-            return True
+        if self.sharded:
+            return self._save_sharded_async(state)
         (busy,) = distributed.agree(self.in_flight())
         if busy:
             return False
@@ -126,7 +148,7 @@ class Checkpointer:
         self.wait()
         started = time.perf_counter()
         if self.sharded:
-            ckpt = self._write_sharded(state)
+            ckpt = self._save_sharded_now(state)
         else:
             tree = distributed.gather_per_rank(state.state_dict())
             ckpt = None
@@ -136,62 +158,170 @@ class Checkpointer:
         self.last_stall_seconds = time.perf_counter() - started
         return ckpt
 
-    def _write_sharded(self, state: State) -> local.LocalCheckpoint | None:
-        """Every rank writes its shards (torch.distributed.checkpoint) and its own state; rank 0 the
-        replicated state and the metadata, then commits the manifest once every file is written and hashed.
+    def poll(self) -> None:
+        """Collective, on every rank after every step: complete a sharded checkpoint whose files every
+        rank has written (gather, then the commit in the background). Nothing at all, not even a
+        collective, while no sharded checkpoint is in flight (unsharded ones complete on their own).
+        A failure is a CheckpointWriteError on every rank."""
+        if self._pending is not None:
+            self._advance(timeout=0)
 
-        Every rank enters each collective whatever failed before it locally, so that no rank waits for
-        another that gave up; a failure anywhere is a CheckpointWriteError on every rank.
-        """
+    def _save_sharded_async(self, state: State) -> bool:
+        """Copy and plan now; write in the background (class docstring). False while one is in flight."""
+        started = time.perf_counter()
+        # The previous one, written by now but not yet gathered (no poll since), commits in this thread: the
+        # new one starts at this step instead of after the commit thread, a step later.
+        if not self._advance(timeout=0, background=False):
+            return False
+        save = self._begin_sharded(state, copy=True)
+        save.thread = threading.Thread(target=self._write_shards, args=(save, True), name=f"checkpoint-{save.step}",
+                                       daemon=True)
+        self._pending = save
+        save.thread.start()
+        self.last_stall_seconds = time.perf_counter() - started
+        return True
+
+    def _save_sharded_now(self, state: State) -> local.LocalCheckpoint | None:
+        """The durable sharded save: the same parts as an asynchronous one, from the live state, in this thread."""
+        save = self._begin_sharded(state, copy=False)
+        self._write_shards(save, background=False)
+        self._pending = save
+        self._advance(timeout=None, background=False)
+        return save.committed
+
+    def _begin_sharded(self, state: State, copy: bool) -> _ShardedSave:
+        """Collective: the save's staging folder, this rank's files and shards (``copy``: into the host
+        buffers, for a write that runs while training goes on), and DCP's plan of the shards."""
         rank, world, step = distributed.rank(), distributed.world_size(), state.timer.batch.value
         save_id = distributed.broadcast_choice(uuid.uuid4().hex if rank == 0 else None)
         staging = self.folder / f"{local.STAGING_PREFIX}{local.checkpoint_name(step)}-sharded-{save_id}"
         own_disks = self._staging_per_node(staging)
         tree = state.state_dict()
-        entries: list[FileEntry] = []
-        error: str | None = None
+        files: dict[str, Any] = {sharded.rank_file(rank, world): {k: tree[k] for k in distributed.PER_RANK_KEYS
+                                                                   if k in tree}}
+        if rank == 0:
+            files[REPLICATED_FILE] = {k: v for k, v in tree.items()
+                                      if k not in (sharded.MODEL, sharded.OPTIMIZERS, *distributed.PER_RANK_KEYS)}
+        shards = sharded.save_tree(state)
+        ready: list[torch.cuda.Event] = []
+        failure: str | None = None
+        if copy:
+            try:
+                files, files_ready = self._snapshot.capture(files)
+                shards, shards_ready = self._host_shards.stage(shards)
+                ready = [e for e in (files_ready, shards_ready) if e is not None]
+            except (RuntimeError, ValueError, TypeError) as e:  # out of host memory, or a leaf DCP cannot copy
+                failure = f"rank {rank}: cannot copy the state into host memory ({first_line(e, 300)})"
         try:
-            entries.append(_write_file(staging / sharded.rank_file(rank, world),
-                                       {k: tree[k] for k in distributed.PER_RANK_KEYS if k in tree}))
-            if rank == 0:
-                replicated = {k: v for k, v in tree.items()
-                              if k not in (sharded.MODEL, sharded.OPTIMIZERS, *distributed.PER_RANK_KEYS)}
-                entries.append(_write_file(staging / REPLICATED_FILE, replicated))
-        except OSError as e:
-            error = f"rank {rank}: {e.strerror or e}"
-        try:
-            writer = sharded.save(state, staging)  # collective: raises on every rank if it fails on any
-            for name in writer.data_files():
-                size, digest = file_digest(staging / name, BLOCK_SIZE)
-                entries.append(FileEntry(name, size, digest, BLOCK_SIZE))
-            if writer.metadata_entry is not None:
-                entries.append(writer.metadata_entry)
-        except OSError as e:
-            error = error or f"rank {rank}: {e.strerror or e}"
+            # Collective: raises on every rank if it fails on any (this rank's copy included).
+            planned = dcp_storage.plan_save(shards, staging, failure)
         except CheckpointWriteError:
             if distributed.node_leader():
                 shutil.rmtree(staging, ignore_errors=True)
             raise
-        results = distributed.all_gather((entries, error, distributed.node()))
-        errors = [e for _, e, _ in results if e is not None]
+        return _ShardedSave(step=step, save_id=save_id, staging=staging, own_disks=own_disks,
+                            timer=dict(state.timer.state_dict()), files=files, dcp=planned, ready=ready)
+
+    def _write_shards(self, save: _ShardedSave, background: bool) -> None:
+        """This rank's files of ``save``, fsynced and hashed. No collective: a background thread runs it.
+        A failure is kept in ``save.error`` for the gather (:meth:`_advance`), never raised here."""
+        if background:
+            _yield_cpu_to_training()
+        started, rank = time.perf_counter(), distributed.rank()
+        try:
+            for event in save.ready:
+                event.synchronize()
+            for name, tree in save.files.items():
+                save.entries.append(_write_file(save.staging / name, tree))
+            save.results = save.dcp.write()
+            for name in save.dcp.writer.data_files():
+                size, digest = file_digest(save.staging / name, BLOCK_SIZE)
+                save.entries.append(FileEntry(name, size, digest, BLOCK_SIZE))
+        except OSError as e:
+            save.error = f"rank {rank}: {e.strerror or e}"
+        except Exception as e:  # noqa: BLE001 - every rank must learn of it at the gather, or the others wait
+            save.error = f"rank {rank}: {first_line(e, 300)}"
+        save.write_seconds = time.perf_counter() - started
+
+    def _advance(self, timeout: float | None, background: bool = True) -> bool:
+        """Collective while a sharded checkpoint is in flight (``_pending`` is set and cleared at the same
+        calls on every rank; without one, nothing): take it as far as every rank's threads allow within
+        ``timeout`` seconds (None: to its commit). True when none is left in flight. ``background``: the
+        commit runs in a thread of its own. A failure on any rank is a CheckpointWriteError on every rank."""
+        if self._pending is None:
+            return True
+        started = time.perf_counter()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while (save := self._pending) is not None:
+                if save.thread is not None:
+                    save.thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+                alive = save.thread is not None and save.thread.is_alive()
+                busy, failed = distributed.agree(alive, save.error is not None)
+                if busy:
+                    return False
+                if not save.committing:
+                    self._gather(save, background)
+                else:  # committed (or failed to) by rank 0 or the node leaders
+                    self._pending = None
+                    if failed:
+                        self._fail([e for e in distributed.all_gather(save.error) if e is not None])
+            return True
+        finally:  # the loop waited for this much of the save's completion
+            self.last_stall_seconds = (self.last_stall_seconds or 0.0) + time.perf_counter() - started
+
+    def _gather(self, save: _ShardedSave, background: bool) -> None:
+        """Collective: every rank's written files and results; the commit starts where one is due."""
+        gathered = distributed.all_gather((save.entries, save.results, save.error, distributed.node(),
+                                           save.write_seconds))
+        errors = [error for _, _, error, _, _ in gathered if error is not None]
         if errors:
+            self._pending = None
             if distributed.node_leader():
-                shutil.rmtree(staging, ignore_errors=True)
-            raise CheckpointWriteError(f"cannot write a sharded checkpoint to {self.folder}: {'; '.join(errors)}; "
-                                       "free disk space or fix permissions (the previous checkpoint is untouched)")
-        meta = {**self.meta, "sharded": True}
-        if own_disks:  # each node commits its part; the bucket commits the whole (uploader.sync)
+                shutil.rmtree(save.staging, ignore_errors=True)
+            self._fail(errors)
+        save.committing, save.thread = True, None
+        if save.own_disks:  # each node commits its part; the bucket commits the whole (uploader.sync)
             if not distributed.node_leader():
-                return None
-            mine = [f for written, _, node in results if node == distributed.node() for f in written]
-            meta.update(node=distributed.node(), nodes=distributed.nodes(), save_id=save_id)
-        elif rank == 0:
-            mine = [f for written, _, _ in results for f in written]
+                return
+            mine = [f for written, _, _, node, _ in gathered if node == distributed.node() for f in written]
+        elif distributed.rank() == 0:
+            mine = [f for written, _, _, _, _ in gathered for f in written]
         else:
-            return None
-        manifest = Manifest(step=step, files=tuple(sorted(mine, key=lambda f: f.path)), timer=state.timer.state_dict(),
-                            meta=meta)
-        return self._commit(staging, manifest, time.perf_counter())
+            return
+        results = [written for _, written, _, _, _ in gathered]
+        spent = max(seconds for *_, seconds in gathered)
+        if background:
+            save.thread = threading.Thread(target=self._commit_shards, args=(save, mine, results, spent),
+                                           name=f"checkpoint-{save.step}-commit", daemon=True)
+            save.thread.start()
+        else:
+            self._commit_shards(save, mine, results, spent)
+
+    def _commit_shards(self, save: _ShardedSave, files: list[FileEntry], results: list[list[WriteResult]],
+                       spent: float) -> None:
+        """Rank 0 writes DCP's metadata of every rank's ``results``; then the manifest of ``files`` commits
+        the checkpoint (or this node's part of it). No collective; a failure is kept in ``save.error``."""
+        try:
+            entries = list(files)
+            if distributed.rank() == 0:
+                entries.append(save.dcp.finish(results))
+            meta = {**self.meta, "sharded": True}
+            if save.own_disks:
+                meta.update(node=distributed.node(), nodes=distributed.nodes(), save_id=save.save_id)
+            manifest = Manifest(step=save.step, files=tuple(sorted(entries, key=lambda f: f.path)), timer=save.timer,
+                                meta=meta)
+            save.committed = self._commit(save.staging, manifest, time.perf_counter() - spent)
+        except OSError as e:
+            save.error = f"rank {distributed.rank()}: {e.strerror or e}"
+        except Exception as e:  # noqa: BLE001 - gathered like a write's failure
+            save.error = f"rank {distributed.rank()}: {first_line(e, 300)}"
+        if save.error is not None:
+            shutil.rmtree(save.staging, ignore_errors=True)
+
+    def _fail(self, errors: list[str]) -> NoReturn:
+        raise CheckpointWriteError(f"cannot write a sharded checkpoint to {self.folder}: {'; '.join(errors)}; "
+                                   "free disk space or fix permissions (the previous checkpoint is untouched)")
 
     @staticmethod
     def _staging_per_node(staging: Path) -> bool:
@@ -215,7 +345,11 @@ class Checkpointer:
             self._reserving = None
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Wait for the checkpoint in flight; re-raise its failure here, in the training thread."""
+        """Wait for the checkpoint in flight; re-raise its failure here, in the training thread.
+
+        Sharded: collective (every rank calls it), and a failure is raised on every rank."""
+        if self.sharded:
+            return self._advance(timeout)
         if self._reserving is not None:
             self._reserving.join(timeout)
             if self._reserving.is_alive():
@@ -235,7 +369,14 @@ class Checkpointer:
 
         A process that exits while this thread is inside torch.save is aborted by the C++ runtime
         ("terminate called without an active exception"), losing the documented exit code.
+        Sharded: this rank's thread alone, without a collective (the other ranks may not be here); an
+        unfinished sharded save stays in its staging folder, which the next start removes.
         """
+        if self.sharded:
+            thread = self._pending.thread if self._pending is not None else None
+            if thread is not None:
+                thread.join(timeout)
+            return thread is None or not thread.is_alive()
         try:
             return self.wait(timeout)
         except Exception as e:  # noqa: BLE001 - the caller is already raising the first failure
@@ -290,6 +431,29 @@ class Checkpointer:
         set aside (uploader.local.set_aside), so they are never chosen, counted or pruned again."""
         local.clean_staging(self.folder)
         return local.newest_verified(self.folder, set_aside_corrupt=True)
+
+
+@dataclass
+class _ShardedSave:
+    """One sharded checkpoint on its way (Checkpointer's docstring): copied and planned in the training
+    thread, written by each rank's thread, gathered back in the training thread, committed by rank 0 (or
+    each node leader) in a thread of its own."""
+
+    step: int
+    save_id: str
+    staging: Path
+    own_disks: bool  # each node commits its own part (Checkpointer._staging_per_node)
+    timer: dict[str, int]
+    files: dict[str, Any]  # this rank's plain torch files by name: its own state; on rank 0 the replicated state
+    dcp: dcp_storage.PlannedSave
+    ready: list[torch.cuda.Event]  # device copies into the host buffers, synchronized before the write
+    thread: threading.Thread | None = None  # this rank's part now running: its write, then (rank 0) the commit
+    committing: bool = False  # written and gathered: the commit runs, or has run
+    entries: list[FileEntry] = field(default_factory=list)
+    results: list[WriteResult] = field(default_factory=list)
+    error: str | None = None  # this rank's failure, told to every rank at the next gather
+    write_seconds: float = 0.0
+    committed: local.LocalCheckpoint | None = None
 
 
 def claim_folder(folder: Path) -> None:

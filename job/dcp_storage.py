@@ -8,7 +8,10 @@ as code, and the stock load planner unpickles non-tensor items without restricti
 * :class:`JsonMetadataWriter` is the stock writer (one ``__R_N.distcp`` file per rank, fsynced) whose
   metadata file is ``dcp-metadata.json`` (:func:`encode_metadata`): for each item its flattened key,
   its path in the nested state dict, and for a tensor its dtype, size and chunks; each chunk, and each
-  non-tensor item, with the file, offset and length of its bytes.
+  non-tensor item, with the file, offset and length of its bytes. A save is split where its
+  collectives end: :func:`plan_save` (collective: DCP's planning, in the training thread), then
+  :meth:`PlannedSave.write` (no collective, any thread: this rank's files) and, once the caller has
+  gathered every rank's results, :meth:`PlannedSave.finish` (rank 0: the metadata).
 * :func:`read_metadata` parses that JSON as untrusted input (:func:`decode_metadata`): strict types
   and bounds, a known dtype, chunks that cover their tensor exactly once, byte ranges inside the data
   files the manifest lists (and so hashed), never overlapping and large enough for their chunk (what a
@@ -57,6 +60,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, WriteResult
 from torch.futures import Future
 
+from job import distributed
 from job.exceptions import CheckpointLoadError, CheckpointWriteError
 from job.safe_load import clip, first_line, load_weights_only
 from uploader.hashing import BLOCK_SIZE, digest_bytes
@@ -166,19 +170,72 @@ def _where(info: Any) -> dict[str, Any]:
     return {"file": str(info.relative_path), "offset": int(info.offset), "length": int(info.length)}
 
 
-def save(tree: dict[str, Any], folder: Path) -> JsonMetadataWriter:
-    """Collective: every rank writes its part of ``tree`` (of a DTensor, its local shard) into ``folder``,
-    rank 0 the metadata. A failure on any rank raises on every rank: an OSError as itself (the caller
-    says what to do about a full disk), anything else as a CheckpointWriteError."""
-    writer = JsonMetadataWriter(folder)
-    try:
-        dcp.save(tree, storage_writer=writer, planner=DefaultSavePlanner())
-    except CheckpointException as e:
-        cause = _first_failure(e)
-        if isinstance(cause, OSError):
-            raise cause from None
-        raise CheckpointWriteError(f"cannot write a sharded checkpoint to {folder}: {first_line(cause, 300)}") from None
-    return writer
+@dataclass
+class PlannedSave:
+    """One rank's part of a DCP save, planned (:func:`plan_save`) and not yet written.
+
+    What is left needs no collective: :meth:`write` (every rank, any thread) writes this rank's files
+    from the state dict the plan was made of, and :meth:`finish` (the coordinator, rank 0, once every
+    rank's write results are in) writes the metadata. torch's dcp.save does the same steps with the
+    exchanges built in; here the caller exchanges the results, so the writes can run in a background
+    thread while the training thread alone runs collectives (job.checkpoint).
+    """
+
+    writer: JsonMetadataWriter
+    planner: DefaultSavePlanner
+    plan: SavePlan
+    metadata: Metadata | None  # the global plan's metadata, on the coordinator
+
+    def write(self) -> list[WriteResult]:
+        """This rank's data files, fsynced; an OSError as itself (the caller says what to do about a full disk)."""
+        done = self.writer.write_data(self.plan, self.planner)
+        done.wait()
+        return done.value()
+
+    def finish(self, results: list[list[WriteResult]]) -> FileEntry:
+        """Coordinator: the metadata of every rank's ``results`` (in rank order), as JSON; its manifest entry."""
+        assert self.metadata is not None, "finish runs on the coordinator"
+        self.writer.finish(self.metadata, results)
+        assert self.writer.metadata_entry is not None
+        return self.writer.metadata_entry
+
+
+def plan_save(tree: dict[str, Any], folder: Path, failure: str | None = None) -> PlannedSave:
+    """Collective: DCP's planning of a save of ``tree`` (of a DTensor, this rank's shard) into ``folder``,
+    the steps of torch's state_dict_saver._save_state_dict before its writes, with DCP's own
+    DefaultSavePlanner: every rank's local plan, the coordinator's global plan (replicated items
+    written once), each rank's final plan. ``tree`` must not change until :meth:`PlannedSave.write`
+    has read it. A failure on any rank is a CheckpointWriteError on every rank, ``failure`` too (this
+    rank's own, before the plan: every rank still takes part in the exchange)."""
+    rank = distributed.rank()
+    writer, planner = JsonMetadataWriter(folder), DefaultSavePlanner()
+    local: SavePlan | str
+    if failure is not None:
+        local = failure
+    else:
+        try:
+            planner.set_up_planner(tree, storage_meta=writer.storage_meta(), is_coordinator=rank == 0)
+            writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
+            local = writer.prepare_local_plan(planner.create_local_plan())
+        except Exception as e:  # noqa: BLE001 - every rank must reach the exchange below, or the others wait forever
+            local = f"rank {rank}: {first_line(e, 300)}"
+    gathered = distributed.gather_to_first(local)
+    metadata: Metadata | None = None
+    central: list[SavePlan | str] | None = None
+    if gathered is not None:  # the coordinator
+        failed = [p for p in gathered if isinstance(p, str)]
+        if failed:
+            central = ["; ".join(failed)] * len(gathered)
+        else:
+            try:
+                plans, metadata = planner.create_global_plan(gathered)
+                central = list(writer.prepare_global_plan(plans))
+            except Exception as e:  # noqa: BLE001 - handed to every rank
+                central = [f"rank {rank}: {first_line(e, 300)}"] * len(gathered)
+    mine = distributed.scatter_from_first(central)
+    if isinstance(mine, str):
+        raise CheckpointWriteError(f"cannot write a sharded checkpoint to {folder}: {mine}")
+    return PlannedSave(writer, planner, planner.finish_plan(mine), metadata)
 
 
 # -- reading ------------------------------------------------------------------------------------------

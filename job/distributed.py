@@ -172,3 +172,22 @@ def broadcast_choice(obj: Any) -> Any:
     box = [obj if rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def gather_to_first(obj: Any) -> list[Any] | None:
+    """Every rank's ``obj``, in rank order, on rank 0; None on the others."""
+    if not active():
+        return [obj]
+    everyone: list[Any] | None = [None] * dist.get_world_size() if rank() == 0 else None
+    dist.gather_object(obj, everyone, dst=0)
+    return everyone
+
+
+def scatter_from_first(objs: list[Any] | None) -> Any:
+    """Rank 0 hands ``objs[r]`` to rank r (``objs`` is read on rank 0 only)."""
+    if not active():
+        assert objs is not None
+        return objs[0]
+    box: list[Any] = [None]
+    dist.scatter_object_list(box, objs if rank() == 0 else None, src=0)
+    return box[0]

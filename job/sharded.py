@@ -13,16 +13,29 @@ What is not sharded stays out of DCP, in plain weights-only torch files: ``repli
 rank 0: timer, schedulers, seed, computed metrics) and one ``rank-RRRRR-of-WWWWW.pt`` per rank (its RNG
 streams and metric accumulators, which job.elastic hands over on another number of ranks).
 
+A periodic save is asynchronous like an unsharded one (job.checkpoint; the durable ones, at the end
+and at preemption, take the same steps from the live state, in the training thread): the training
+thread copies this rank's shards into reused host buffers (:class:`HostStaging`, DCP's own staging)
+and runs DCP's planning, the only part of a DCP save with collectives (job.dcp_storage.plan_save); a
+background thread then writes, fsyncs and hashes the files from the copies with no collective at all.
+Collectives of a save must not run on another thread beside training's own: the ranks' threads would
+enter a group's collectives in different orders (an FSDP all-gather on one rank facing a checkpoint's
+gather on another), which deadlocks or mixes up their data. The exchange after the writes (every
+rank's results, for the coordinator's metadata and the manifest) runs back in the training thread,
+after a later step (job.checkpoint).
+
 Every rank reads the files of the chosen checkpoint from its node's folder: the whole checkpoint on one
 node or a shared volume; on nodes with disks of their own, what its node downloaded (job.node_pull).
 """
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -33,6 +46,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 from job import dcp_storage
 from job.exceptions import CheckpointLoadError
@@ -61,16 +75,72 @@ def _optimizers(state: State) -> dict[str, torch.optim.Optimizer]:
     return {type(opt).__qualname__: opt for opt in state.optimizers}
 
 
-def save(state: State, folder: Path) -> dcp_storage.JsonMetadataWriter:
-    """Collective: the model and optimizers of ``state`` into ``folder`` with DCP (each rank its shards).
+def save_tree(state: State) -> dict[str, Any]:
+    """What DCP saves of ``state``: its model and optimizer state dicts (DTensors: each rank its shards).
 
     An optimizer that has not stepped yet is saved as it is (its hyperparameters only): torch's
     get_optimizer_state_dict would first take a zero step to create its state, and that step would count.
     """
-    tree = {MODEL: get_model_state_dict(state.model),
+    return {MODEL: get_model_state_dict(state.model),
             OPTIMIZERS: {name: get_optimizer_state_dict(state.model, opt) if opt.state else opt.state_dict()
                          for name, opt in _optimizers(state).items()}}
-    return dcp_storage.save(tree, folder)
+
+
+class HostStaging:
+    """Host copies of a :func:`save_tree`, in buffers reused from one save to the next: what an
+    asynchronous save writes from while training changes the live tensors.
+
+    DCP's own staging (torch.distributed.checkpoint.staging.BlockingAsyncStager with its cache):
+    _create_cpu_state_dict allocates once, _copy_state_dict copies into it. A DTensor stays a DTensor
+    of the same mesh and placements around a host copy of its local shard, so DCP plans and writes the
+    copy exactly as it would the live state; non-tensor leaves come back in fresh containers (the
+    optimizer's param_groups are not the live dicts a scheduler edits). On CUDA the buffers are pinned
+    and the copies asynchronous: the writer synchronizes the returned event before reading.
+    """
+
+    def __init__(self, pin_memory: bool = False) -> None:
+        self.pin_memory = pin_memory and torch.cuda.is_available()
+        self._buffers: dict[str, Any] | None = None
+        self._layout: list[tuple[Any, ...]] | None = None
+
+    def stage(self, tree: dict[str, Any]) -> tuple[dict[str, Any], torch.cuda.Event | None]:
+        """Copy ``tree`` into the buffers (made anew when its layout changed: an optimizer's first step)."""
+        layout = _layout(tree)
+        if self._buffers is None or layout != self._layout:
+            self._buffers = _own_copies(_create_cpu_state_dict(tree, pin_memory=self.pin_memory), tree)
+            self._layout = layout
+        staged = _copy_state_dict(tree, self._buffers, non_blocking=self.pin_memory, type_check=False)
+        event = None
+        if self.pin_memory:
+            event = torch.cuda.Event()
+            event.record()
+        return staged, event
+
+
+def _layout(node: Any, path: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Where ``node``'s tensors are and what they hold: the buffers fit another tree of the same layout."""
+    if isinstance(node, DTensor):
+        local = node.to_local()
+        return [(path, "dtensor", tuple(node.shape), tuple(local.shape), local.dtype, tuple(node.placements))]
+    if isinstance(node, torch.Tensor):
+        return [(path, "tensor", tuple(node.shape), node.dtype)]
+    if isinstance(node, dict):
+        return [entry for k, v in node.items() for entry in _layout(v, (*path, k))]
+    if isinstance(node, (list, tuple)):
+        return [entry for i, v in enumerate(node) for entry in _layout(v, (*path, i))]
+    return [(path,)]
+
+
+def _own_copies(buffers: Any, live: Any) -> Any:
+    """``buffers`` with no tensor of ``live`` in it: _create_cpu_state_dict keeps a 0-dim DTensor as it is
+    (the live one), which the copies would then leave to change under the writer."""
+    if isinstance(buffers, torch.Tensor):
+        return copy.deepcopy(live.detach()) if buffers is live else buffers
+    if isinstance(buffers, dict):
+        return {k: _own_copies(v, live[k]) for k, v in buffers.items()}
+    if isinstance(buffers, (list, tuple)):
+        return type(buffers)(_own_copies(b, x) for b, x in zip(buffers, live))
+    return buffers
 
 
 def _has_state(metadata: Metadata, name: str) -> bool:
