@@ -45,6 +45,21 @@ def held(gate: Path, step: int) -> bool:
     return all((gate / f"held-{step}-rank{rank}").exists() for rank in range(2))
 
 
+def held_at_10(tmp_path: Path, trained_to: int) -> tuple[JobProcess, Path, Path]:
+    """A run whose write of step 10 is held on both ranks while training reaches ``trained_to``: the
+    process, its gate (``gate / "open"`` lets the writes go) and its folder."""
+    gate, folder = tmp_path / "gate", tmp_path / "ck"
+    gate.mkdir()
+    proc = job(folder, gate=gate)
+    try:
+        wait_until(lambda: held(gate, 10), timeout=180, what="both ranks' writes of step 10, held")
+        proc.wait_event("progress", lambda e: e["step"] >= trained_to, timeout=120)  # training goes on meanwhile
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, gate, folder
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
     """The weights of every checkpoint of the run when each save is synchronous, by step."""
@@ -60,12 +75,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
 
 def test_the_loop_trains_on_while_a_sharded_checkpoint_is_written_and_it_holds_its_steps_state(
         tmp_path: Path, reference: dict[int, str]) -> None:
-    gate, folder = tmp_path / "gate", tmp_path / "ck"
-    gate.mkdir()
-    proc = job(folder, gate=gate)
+    proc, gate, folder = held_at_10(tmp_path, trained_to=16)
     try:
-        wait_until(lambda: held(gate, 10), timeout=180, what="both ranks' writes of step 10, held")
-        proc.wait_event("progress", lambda e: e["step"] >= 16, timeout=120)  # training goes on meanwhile
         assert list_committed(folder) == []
         (gate / "open").write_text("")
         code = proc.wait(240)
@@ -99,12 +110,8 @@ def test_a_failed_background_write_is_one_error_on_every_rank_and_the_previous_c
 
 def test_a_sigterm_during_a_held_sharded_write_ends_on_the_stop_step_and_resumes_bit_exact(
         tmp_path: Path, reference: dict[int, str]) -> None:
-    gate, folder = tmp_path / "gate", tmp_path / "ck"
-    gate.mkdir()
-    proc = job(folder, gate=gate)
+    proc, gate, folder = held_at_10(tmp_path, trained_to=14)
     try:
-        wait_until(lambda: held(gate, 10), timeout=180, what="both ranks' writes of step 10, held")
-        proc.wait_event("progress", lambda e: e["step"] >= 14, timeout=120)
         proc.signal(signal.SIGTERM)  # torchrun passes it on to both ranks; the write of step 10 is still held
         (gate / "open").write_text("")
         proc.wait(240)

@@ -22,17 +22,7 @@ import torch.distributed as dist
 
 from job import distributed
 from job.checkpoint import Checkpointer
-from tests.support.sharded_twins import gathered, sharded_state
-
-
-def train_step(state: Any, step: int) -> None:
-    data = state.train_dataloader.dataset
-    batch = [t for t in data[step * 32:(step + 1) * 32]]
-    loss = state.model.loss(state.model(batch), batch)
-    loss.backward()
-    state.optimizers[0].step()
-    state.optimizers[0].zero_grad()
-    state.timer.on_batch_complete(samples=32)
+from tests.support.sharded_twins import gathered, sharded_state, train_step
 
 
 def buffers(ckpt: Checkpointer) -> list[int]:

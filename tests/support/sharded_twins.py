@@ -43,16 +43,21 @@ def gathered(state: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     return get_model_state_dict(state.model, options=FULL), get_optimizer_state_dict(state.model, opt, options=FULL)
 
 
+def train_step(state: Any, step: int) -> None:
+    """One optimizer step on the ``step``-th 32 samples of the data, every rank the same batch."""
+    data = state.train_dataloader.dataset
+    batch = [t for t in data[step * 32:(step + 1) * 32]]
+    loss = state.model.loss(state.model(batch), batch)
+    loss.backward()
+    state.optimizers[0].step()
+    state.optimizers[0].zero_grad()
+    state.timer.on_batch_complete(samples=32)
+
+
 def save(out: Path, steps: int = 2) -> int:
     state = sharded_state()
-    data = state.train_dataloader.dataset
     for step in range(steps):
-        batch = [t for t in data[step * 32:(step + 1) * 32]]
-        loss = state.model.loss(state.model(batch), batch)
-        loss.backward()
-        state.optimizers[0].step()
-        state.optimizers[0].zero_grad()
-        state.timer.on_batch_complete(samples=32)
+        train_step(state, step)
     world = distributed.world_size()
     meta = {"model": "mlp", "data": "spirals", "seed": 11, "world_size": world, "batch_size": 32, "grad_accum": 1}
     Checkpointer(out / f"w{world}", keep=3, meta=meta, sharded=True).save(state)
