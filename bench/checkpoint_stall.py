@@ -7,7 +7,9 @@ the same tensors costs with no bookkeeping at all (target: <= 1.2x), and far les
 
 Arms, interleaved in one process on the same State (params + AdamW moments, after real steps):
 
-* ``stall``: the time ``Checkpointer.save_async(state)`` takes to return. Before it, the previous
+* ``stall``: the time ``Checkpointer.save_async(state)`` and ``before_update()`` right after it take
+  to return: the worst case, with no forward and backward for the background copy of the parameters
+  and optimizer state to overlap with (in the loop they run between the two). Before it, the previous
   background write has finished, and after it this one is waited for (untimed), so every
   repetition measures the copy, never a deferral ("still writing, skipped") or disk contention.
 * ``copy``: the fair baseline, the same work without our bookkeeping: ``copy_`` of every tensor of
@@ -68,6 +70,7 @@ def measure(size: str, device: str, precision: str, rounds: int, warmup: int, wo
         started = time.perf_counter()
         if not checkpointer.save_async(state):
             raise RuntimeError("save_async deferred although nothing was in flight")
+        checkpointer.before_update()  # the optimizer step at once: waits for the copy of the parameters
         returned = time.perf_counter()
         sync_device()
         done = time.perf_counter()

@@ -262,7 +262,8 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
         event(logger, "start", step=state.timer.batch.value, max_duration=str(state.max_duration),
               device=cfg.device, precision=cfg.precision.value, world_size=distributed.world_size(),
               parameters=sum(p.numel() for p in state.model.parameters()))
-        Trainer(run, cfg.eval_interval, cfg.log_interval, after_step=after_step, should_stop=should_stop).fit()
+        Trainer(run, cfg.eval_interval, cfg.log_interval, after_step=after_step, should_stop=should_stop,
+                before_update=checkpointer.before_update).fit()
         if stop.requested:
             _stop_for_preemption(state, cadence, store, stop)
             return Outcome(state, preempted=True, writing=checkpointer.busy())

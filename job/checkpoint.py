@@ -28,7 +28,7 @@ from job.exceptions import CheckpointLoadError, CheckpointWriteError
 from job.logs import event
 from job.safe_load import clip, first_line, load_weights_only
 from job.sharded import HostStaging
-from job.snapshot import HostSnapshot
+from job.snapshot import Deferred, HostSnapshot, written_by_update
 from state import State
 from uploader import local
 from uploader.exceptions import CorruptCheckpoint, ManifestError
@@ -48,7 +48,10 @@ class Checkpointer:
     """Writes checkpoints of a State into one folder, keeps the newest ``keep``, reports each commit.
 
     ``save_async`` is the cheap path for periodic checkpoints: it blocks only for the copy into
-    reused host buffers (job.snapshot) and writes in a background thread. At most one checkpoint is
+    reused host buffers (job.snapshot) and writes in a background thread. The parameters and the
+    optimizer state are copied by that thread, before it writes, while the next step runs its forward
+    and backward: the loop calls :meth:`before_update` right before its optimizer step, which blocks
+    only while that copy is still running (job.snapshot's rule). At most one checkpoint is
     in flight; when the next is due before the last is durable, ``save_async`` returns False without
     doing anything, and the caller tries again after the next step: the loop never waits on the disk
     and never touches buffers that are being written. ``save`` is the durable path (end of training,
@@ -86,6 +89,7 @@ class Checkpointer:
         self._host_shards = HostStaging(pin_memory)
         self._pending: _ShardedSave | None = None  # the sharded checkpoint in flight, on every rank alike
         self._writer: threading.Thread | None = None
+        self._deferred: Deferred | None = None  # the parameters and optimizer state the writer still copies
         self._reserving: threading.Thread | None = None
         self._error: BaseException | None = None
         self._retention = threading.Lock()  # a commit's prune, against freeze_retention
@@ -135,13 +139,27 @@ class Checkpointer:
         if distributed.rank() != 0:  # rank 0 writes the replicated state, with every rank's own part
             return True
         self._reserved()
-        tree, ready = self._snapshot.capture(tree)
+        tree, ready, self._deferred = self._snapshot.capture_pipelined(tree, written_by_update(state.optimizers))
         step, timer = state.timer.batch.value, state.timer.state_dict()
         self.last_stall_seconds = time.perf_counter() - started
-        self._writer = threading.Thread(target=self._write_in_background, args=(tree, ready, step, timer),
+        self._writer = threading.Thread(target=self._write_in_background,
+                                        args=(tree, ready, self._deferred, step, timer),
                                         name=f"checkpoint-{step}", daemon=True)
         self._writer.start()
         return True
+
+    def before_update(self) -> None:
+        """Right before the optimizer step (or anything else that writes the parameters or the optimizer
+        state): block while the checkpoint in flight still copies them; the time blocked counts in
+        ``last_stall_seconds``. Nothing at all when no copy is running."""
+        deferred = self._deferred
+        if deferred is None or deferred.done.is_set():
+            self._deferred = None
+            return
+        started = time.perf_counter()
+        deferred.block_writes()
+        self._deferred = None
+        self.last_stall_seconds = (self.last_stall_seconds or 0.0) + time.perf_counter() - started
 
     def save(self, state: State) -> local.LocalCheckpoint | None:
         """Write and commit a checkpoint of ``state`` now; durable when this returns."""
@@ -356,10 +374,10 @@ class Checkpointer:
                 return False
             self._reserving = None
         if self._writer is not None:
-            self._writer.join(timeout)
+            self._writer.join(timeout)  # its copy of the parameters first (before_update)
             if self._writer.is_alive():
                 return False
-            self._writer = None
+            self._writer = self._deferred = None
         self._raise_background_error()
         return True
 
@@ -388,9 +406,11 @@ class Checkpointer:
             error, self._error = self._error, None
             raise error
 
-    def _write_in_background(self, tree: Any, ready: Any, step: int, timer: dict[str, int]) -> None:
-        _yield_cpu_to_training()
+    def _write_in_background(self, tree: Any, ready: Any, deferred: Deferred, step: int,
+                             timer: dict[str, int]) -> None:
         try:
+            deferred.run()  # at training's priority: the next optimizer step waits for it
+            _yield_cpu_to_training()
             if ready is not None:
                 ready.synchronize()
             self._write(tree, step, timer)

@@ -58,14 +58,18 @@ def _batch_size(batch: Any) -> int:
 
 
 class Trainer:
-    """Runs optimizer steps until max_duration, or until ``should_stop(state)`` says so after a step."""
+    """Runs optimizer steps until max_duration, or until ``should_stop(state)`` says so after a step.
+
+    ``before_update`` runs right before each optimizer step: a checkpoint still copying the parameters
+    and optimizer state in the background is waited for there (Checkpointer.before_update)."""
 
     def __init__(self, run: Run, eval_interval: Interval, log_interval: int,
                  after_step: Callable[[State, bool], None],
-                 should_stop: Callable[[State], bool] = lambda state: False) -> None:
+                 should_stop: Callable[[State], bool] = lambda state: False,
+                 before_update: Callable[[], None] = lambda: None) -> None:
         self.run, self.state = run, run.state
         self.eval_interval, self.log_interval = eval_interval, log_interval
-        self.after_step, self.should_stop = after_step, should_stop
+        self.after_step, self.should_stop, self.before_update = after_step, should_stop, before_update
         self._last_eval = time.monotonic()
 
     def done(self) -> bool:
@@ -119,6 +123,7 @@ class Trainer:
             with torch.no_grad():
                 for metric in state.train_metrics.values():
                     metric.update(*_metric_args(core, outputs.detach(), micro))
+        self.before_update()
         if state.scaler:
             state.scaler.step(optimizer)
             state.scaler.update()

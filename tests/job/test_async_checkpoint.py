@@ -1,4 +1,7 @@
-"""Async checkpoints: the loop blocks only for the snapshot; what is written is the state at that moment."""
+"""Async checkpoints: the loop blocks only for the snapshot; what is written is the state at that moment.
+
+The parameters and optimizer state are copied in the background while the next step runs its forward
+and backward; the loop's optimizer step waits for that copy (Checkpointer.before_update)."""
 from __future__ import annotations
 
 import errno
@@ -12,7 +15,10 @@ import torch
 from job.app import train
 from job.build import build
 from job.checkpoint import WRITER_NICE, Checkpointer, load_state_file
+from job import snapshot
 from job.exceptions import CheckpointWriteError
+from job.loop import Trainer, to_device
+from job.schedule import Interval
 from job.signals import StopRequest
 from job.snapshot import HostSnapshot
 from state import State
@@ -40,12 +46,29 @@ def gate(monkeypatch):
     return opened
 
 
+@pytest.fixture
+def held_copy(monkeypatch):
+    """Holds the background copy of the parameters and optimizer state until the test opens it:
+    (copy started, open the copy)."""
+    started, opened = threading.Event(), threading.Event()
+    real = snapshot.copy_into
+
+    def held(buf, src):
+        started.set()
+        assert opened.wait(30)
+        real(buf, src)
+
+    monkeypatch.setattr(snapshot, "copy_into", held)
+    return started, opened
+
+
 def test_written_checkpoint_is_the_state_at_snapshot_time(run, tmp_path, gate):
     state = run.state
     ckpt = Checkpointer(tmp_path, keep=3, meta={})
     before = {k: v.clone() for k, v in state.model.state_dict().items()}
     assert ckpt.save_async(state) is True  # returns while the write is held
     assert ckpt.in_flight()
+    ckpt.before_update()  # what the loop calls before its optimizer step
     with torch.no_grad():
         for p in state.model.parameters():
             p.add_(1.0)  # training goes on and changes the weights
@@ -171,3 +194,97 @@ def test_a_stop_at_the_step_of_a_checkpoint_in_flight_waits_no_longer_than_the_g
     assert local.read_finished(tmp_path) is None  # nothing durable to point a sidecar at
     wait_until(lambda: local.list_committed(tmp_path), what="the abandoned write to finish on its own")
     assert [c.step for c in local.list_committed(tmp_path)] == [10]
+
+
+def _optimizer_state(state: State) -> dict:
+    return {(i, k): v.clone() for i, s in state.optimizers[0].state_dict()["state"].items() for k, v in s.items()}
+
+
+def test_the_next_forward_and_backward_run_while_the_parameters_are_copied_and_the_optimizer_step_waits(
+        run, tmp_path, held_copy):
+    copying, release = held_copy
+    state = run.state
+    ckpt = Checkpointer(tmp_path, keep=3, meta={})
+    reached_update = threading.Event()
+
+    def before_update():
+        reached_update.set()
+        ckpt.before_update()
+
+    trainer = Trainer(run, Interval.parse("1000ba"), log_interval=10 ** 9, after_step=lambda state, ended: None,
+                      before_update=before_update)
+    forwards = []
+    state.model.register_forward_hook(lambda module, args, out: forwards.append(out.detach().clone()))
+    run.sampler.set_epoch(0, 0)
+    batches = iter(state.train_dataloader)
+    trainer.train_step(to_device(next(batches), run.device))  # step 1: the AdamW moments exist
+    model_at_1, optimizer_at_1 = {k: v.clone() for k, v in state.model.state_dict().items()}, _optimizer_state(state)
+    assert optimizer_at_1
+    reached_update.clear()
+    forwards.clear()
+
+    assert ckpt.save_async(state) is True  # returns with the copy of the parameters held
+    assert copying.wait(30)
+    step_2 = threading.Thread(target=trainer.train_step, args=(to_device(next(batches), run.device),))
+    step_2.start()
+    try:
+        assert reached_update.wait(30)  # step 2's forward and backward ran while the copy was held...
+        assert len(forwards) == state.grad_accum and state.timer.batch.value == 1
+        assert step_2.is_alive()  # ...and its optimizer step waits for the copy
+        for name, tensor in state.model.state_dict().items():
+            assert torch.equal(tensor, model_at_1[name]), name
+    finally:
+        release.set()
+        step_2.join(30)
+    assert not step_2.is_alive() and state.timer.batch.value == 2
+    assert any(not torch.equal(v, model_at_1[k]) for k, v in state.model.state_dict().items())  # it stepped
+    assert ckpt.wait(30)
+    saved = load_state_file(local.list_committed(tmp_path)[-1].path)
+    assert saved["model"].keys() == model_at_1.keys()
+    for name, tensor in model_at_1.items():
+        assert torch.equal(saved["model"][name], tensor), name
+    saved_optimizer = saved["optimizers"][type(state.optimizers[0]).__qualname__]["state"]
+    assert {(i, k) for i, s in saved_optimizer.items() for k in s} == optimizer_at_1.keys()
+    for (i, k), tensor in optimizer_at_1.items():
+        assert torch.equal(saved_optimizer[i][k], tensor), (i, k)
+
+
+def test_before_update_does_nothing_when_no_copy_is_running(run, tmp_path, monkeypatch):
+    ckpt = Checkpointer(tmp_path, keep=3, meta={})
+    ckpt.before_update()  # nothing taken yet
+    assert ckpt.last_stall_seconds is None
+    assert ckpt.save_async(run.state) is True
+    assert ckpt.wait(30)  # the copy is over with the write
+    stall = ckpt.last_stall_seconds
+
+    def no_copy(buf, src):
+        raise AssertionError("before_update copied")
+
+    monkeypatch.setattr(snapshot, "copy_into", no_copy)
+    ckpt.before_update()
+    assert ckpt.last_stall_seconds == stall
+
+
+def test_only_parameters_and_optimizer_state_are_copied_later():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(5, 3)).sum().backward()
+    optimizer.step()
+    tree = {"model": model.state_dict(), "optimizers": {"AdamW": optimizer.state_dict()},
+            "rng": {"torch": torch.get_rng_state()}}
+    later = snapshot.written_by_update([optimizer])
+    specs = HostSnapshot().specs(tree)
+    assert {path for path, *_ in specs if later(path, _at(tree, path))} == {
+        ("model", "0.weight"), ("model", "0.bias"), ("model", "1.weight"), ("model", "1.bias"),
+        *(("optimizers", "AdamW", "state", i, k) for i in range(4) for k in ("step", "exp_avg", "exp_avg_sq"))}
+    # the running statistics change in forward: copied with the rest, at once
+    copied, _, deferred = HostSnapshot().capture_pipelined(tree, later)
+    assert torch.equal(copied["model"]["1.running_mean"], model.state_dict()["1.running_mean"])
+    deferred.run()
+    assert all(torch.equal(copied["model"][k], v) for k, v in model.state_dict().items())
+
+
+def _at(tree, path):
+    for key in path:
+        tree = tree[key]
+    return tree
