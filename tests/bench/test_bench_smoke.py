@@ -102,3 +102,8 @@ def test_node_pull_smoke():
     done = run_bench("node_pull", "--smoke", timeout=600)
     assert_ends_with_ratio(done)
     assert "4 node(s)" in done.stdout.splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_pipelined_step_smoke():
+    assert_ends_with_ratio(run_bench("pipelined_step", "--smoke"))

@@ -1,0 +1,129 @@
+"""What a checkpoint costs the steps around it: the pipelined snapshot vs. copying everything at once.
+
+Issue 19: the parameters and optimizer state are copied while the next step runs its forward and
+backward (job.snapshot, Checkpointer.before_update). The in-run measure is the loop's own: per-step
+wall time. Arms, interleaved in one process on the same State (params + AdamW moments, after real
+steps), each round timing one plain step, then ``save_async`` plus the next step together:
+
+* ``pipelined``: the job as it is.
+* ``at_once``: the same Checkpointer with nothing left for later (every tensor copied inside
+  ``save_async``, as before the pipelining).
+* ``sync``: ``torch.save(state.state_dict())`` + fsync, the synchronous save the target is relative to.
+
+The writes are waited for, untimed, between steps, so no arm measures another's disk traffic.
+Reported per arm: the extra time of "save_async + next step" over the plain step, and the loop stall
+(``last_stall_seconds``, the copy plus any wait in ``before_update``). Target: the pipelined extra
+time <= 0.05x the synchronous save, whenever one forward+backward takes at least as long as the copy.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as `python bench/pipelined_step.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import (add_threads_option, apply_threads, human_bytes, interleaved, median, parser, print_machine,
+                          progress, ratio, scratch)
+from bench.models import SIZES, bench_config, nbytes, prepared_run, tensors_of
+
+TARGET = 0.05
+
+
+def measure(size: str, rounds: int, warmup: int, workdir: Path) -> dict[str, float]:
+    import torch
+
+    import job.checkpoint as checkpoint
+    from job.checkpoint import Checkpointer
+    from job.loop import Trainer, to_device
+
+    cfg = bench_config(size)
+    run = prepared_run(cfg, steps=2)
+    state = run.state
+    size_bytes = nbytes(tensors_of(state.state_dict()))
+    progress(f"{size}: {human_bytes(size_bytes)} of state")
+    pipelined_rule = checkpoint.written_by_update
+    nothing_later = lambda optimizers: (lambda path, tensor: False)  # noqa: E731
+
+    def batches() -> Any:
+        while True:
+            yield from state.train_dataloader
+
+    stream = batches()
+    sync_path = workdir / "sync.pt"
+
+    def arm(name: str, rule: Any) -> Any:
+        ckpt = Checkpointer(workdir / name, keep=1, meta={})
+        ckpt.reserve(state)
+        ckpt.wait()
+        trainer = Trainer(run, cfg.eval_interval, cfg.log_interval, after_step=lambda s, e: None,
+                          before_update=ckpt.before_update)
+
+        def one_round() -> dict[str, float]:
+            checkpoint.written_by_update = rule
+            try:
+                ckpt.wait()
+                started = time.perf_counter()
+                trainer.train_step(to_device(next(stream), run.device))
+                plain = time.perf_counter()
+                if not ckpt.save_async(state):
+                    raise RuntimeError("save_async deferred although nothing was in flight")
+                trainer.train_step(to_device(next(stream), run.device))
+                done = time.perf_counter()
+                ckpt.wait()  # untimed: the next arm must not compete with this write
+            finally:
+                checkpoint.written_by_update = pipelined_rule
+            return {"plain": plain - started, "around": done - plain, "stall": ckpt.last_stall_seconds or 0.0}
+
+        return one_round
+
+    def sync() -> dict[str, float]:
+        started = time.perf_counter()
+        with open(sync_path, "wb") as f:
+            torch.save(state.state_dict(), f)
+            f.flush()
+            os.fsync(f.fileno())
+        elapsed = time.perf_counter() - started
+        sync_path.unlink()
+        return {"sync": elapsed}
+
+    arms = {"pipelined": arm("pipelined", pipelined_rule), "at_once": arm("at_once", nothing_later), "sync": sync}
+    results = interleaved(arms, rounds=rounds, warmup=warmup, log=progress)
+    out = {"sync": median([r["sync"] for r in results["sync"]]), "bytes": float(size_bytes)}
+    for name in ("pipelined", "at_once"):
+        runs = results[name]
+        out[f"{name}_extra"] = median([r["around"] - r["plain"] for r in runs])
+        out[f"{name}_stall"] = median([r["stall"] for r in runs])
+        out[f"{name}_step"] = median([r["plain"] for r in runs])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser(__doc__)
+    p.add_argument("--sizes", default="400MB,1GB", help=f"comma-separated, of: {', '.join(SIZES)}")
+    p.add_argument("--warmup", type=int, default=1, help="unmeasured rounds first")
+    add_threads_option(p)
+    args = p.parse_args(argv)
+    apply_threads(args.threads)
+    sizes = ["smoke"] if args.smoke else [s.strip() for s in args.sizes.split(",") if s.strip()]
+    rounds = args.rounds or (1 if args.smoke else 7)
+    warmup = 0 if args.smoke else args.warmup
+    print_machine(args.tmpdir)
+    verdicts = []
+    with scratch("pipelined", args.tmpdir) as workdir:
+        for size in sizes:
+            m = measure(size, rounds, warmup, workdir)
+            print(f"{size} ({human_bytes(m['bytes'])}), median of {rounds}: plain step {m['pipelined_step']:.3f} s; "
+                  f"extra time of save_async + next step: pipelined {m['pipelined_extra'] * 1e3:+.1f} ms "
+                  f"(stall {m['pipelined_stall'] * 1e3:.1f} ms), at once {m['at_once_extra'] * 1e3:+.1f} ms "
+                  f"(stall {m['at_once_stall'] * 1e3:.1f} ms); synchronous torch.save {m['sync']:.3f} s", flush=True)
+            verdicts.append(ratio(f"{size} pipelined extra/sync save", m["pipelined_extra"] / m["sync"], TARGET))
+    print("; ".join(verdicts), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
