@@ -24,7 +24,6 @@ On CUDA the copies are asynchronous: ``stall`` and ``copy`` are the time until t
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
@@ -36,7 +35,7 @@ import torch
 
 from bench.common import (add_threads_option, apply_threads, human_bytes, interleaved, median, parser, print_machine,
                           progress, ratio, scratch)
-from bench.models import SIZES, bench_config, nbytes, prepared_run, tensors_of
+from bench.models import SIZES, bench_config, chosen_sizes, nbytes, prepared_run, sync_save_seconds, tensors_of
 
 STALL_VS_COPY = 1.2
 STALL_VS_SYNC = 0.2
@@ -96,14 +95,7 @@ def measure(size: str, device: str, precision: str, rounds: int, warmup: int, wo
 
     def sync() -> dict[str, float]:
         sync_device()
-        started = time.perf_counter()
-        with open(sync_path, "wb") as f:
-            torch.save(state.state_dict(), f)
-            f.flush()
-            os.fsync(f.fileno())
-        elapsed = time.perf_counter() - started
-        sync_path.unlink()
-        return {"sync": elapsed}
+        return {"sync": sync_save_seconds(state, sync_path)}
 
     arms = {"stall": stall, "copy": copy, "fresh": fresh, "sync": sync}
     first = stall()  # allocates the snapshot buffers: reported, not part of the medians
@@ -135,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     add_threads_option(p)
     args = p.parse_args(argv)
     apply_threads(args.threads)
-    sizes = ["smoke"] if args.smoke else [s.strip() for s in args.sizes.split(",") if s.strip()]
+    sizes = chosen_sizes(args.sizes, args.smoke)
     rounds = args.rounds or (1 if args.smoke else 5)
     warmup = 0 if args.smoke else args.warmup
     print_machine(args.tmpdir)

@@ -7,7 +7,10 @@ factories are plain ``--model bench.models:NAME`` plugins, usable by ``job train
 """
 from __future__ import annotations
 
+import os
+import time
 from itertools import islice
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,6 +48,11 @@ def mlp_400mb() -> nn.Module:
 def mlp_1gb() -> nn.Module:
     """84M parameters: 1.01 GB of state."""
     return MLP(hidden=4096, depth=6)
+
+
+def chosen_sizes(sizes: str, smoke: bool) -> list[str]:
+    """A ``--sizes`` option (comma-separated), or only the tiny model in ``--smoke`` mode."""
+    return ["smoke"] if smoke else [s.strip() for s in sizes.split(",") if s.strip()]
 
 
 def model_spec(size_or_spec: str) -> str:
@@ -97,3 +105,16 @@ def tensors_of(tree: Any) -> list[torch.Tensor]:
 
 def nbytes(tensors: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def sync_save_seconds(state: Any, path: Path) -> float:
+    """The naive synchronous save a loop would block on: ``torch.save(state.state_dict())`` + flush +
+    fsync into ``path`` (removed after); the reference the stall benchmarks compare against."""
+    started = time.perf_counter()
+    with open(path, "wb") as f:
+        torch.save(state.state_dict(), f)
+        f.flush()
+        os.fsync(f.fileno())
+    elapsed = time.perf_counter() - started
+    path.unlink()
+    return elapsed

@@ -17,7 +17,6 @@ time <= 0.05x the synchronous save, whenever one forward+backward takes at least
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
@@ -28,14 +27,12 @@ if __package__ in (None, ""):  # run as `python bench/pipelined_step.py`
 
 from bench.common import (add_threads_option, apply_threads, human_bytes, interleaved, median, parser, print_machine,
                           progress, ratio, scratch)
-from bench.models import SIZES, bench_config, nbytes, prepared_run, tensors_of
+from bench.models import SIZES, bench_config, chosen_sizes, nbytes, prepared_run, sync_save_seconds, tensors_of
 
 TARGET = 0.05
 
 
 def measure(size: str, rounds: int, warmup: int, workdir: Path) -> dict[str, float]:
-    import torch
-
     import job.checkpoint as checkpoint
     from job.checkpoint import Checkpointer
     from job.loop import Trainer, to_device
@@ -81,14 +78,7 @@ def measure(size: str, rounds: int, warmup: int, workdir: Path) -> dict[str, flo
         return one_round
 
     def sync() -> dict[str, float]:
-        started = time.perf_counter()
-        with open(sync_path, "wb") as f:
-            torch.save(state.state_dict(), f)
-            f.flush()
-            os.fsync(f.fileno())
-        elapsed = time.perf_counter() - started
-        sync_path.unlink()
-        return {"sync": elapsed}
+        return {"sync": sync_save_seconds(state, sync_path)}
 
     arms = {"pipelined": arm("pipelined", pipelined_rule), "at_once": arm("at_once", nothing_later), "sync": sync}
     results = interleaved(arms, rounds=rounds, warmup=warmup, log=progress)
@@ -108,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     add_threads_option(p)
     args = p.parse_args(argv)
     apply_threads(args.threads)
-    sizes = ["smoke"] if args.smoke else [s.strip() for s in args.sizes.split(",") if s.strip()]
+    sizes = chosen_sizes(args.sizes, args.smoke)
     rounds = args.rounds or (1 if args.smoke else 7)
     warmup = 0 if args.smoke else args.warmup
     print_machine(args.tmpdir)
