@@ -5,7 +5,7 @@ all fetching the same object from the same SeaweedFS server with the same part s
 
 * ``get_file``: ours as shipped, on a format 2 file: ranged GETs ``--concurrency`` at a time, each
   streamed from the socket into its place in the file through a reused 1 MiB buffer and block-hashed
-  by its own thread on the way, writeback started per range, no fsync (a pull's durable copy is the
+  by its own thread on the way, no fsync and no writeback hint (a pull's durable copy is the
   bucket's: uploader.sync, "Pull").
 * ``get_file_1mib``: the same, each received 1 MiB chunk written to the page cache whole instead of
   in ``uploader.s3.WRITE_SLICE`` (32 KiB) pieces, as before the fifth session (BENCHMARKS.md).
@@ -13,8 +13,7 @@ all fetching the same object from the same SeaweedFS server with the same part s
   WRITE_SLICE's size was chosen.
 * ``get_file_v1``: the same object as a format 1 entry (plain sha256): finished ranges are hashed in
   order from the page cache, on one thread.
-* ``no_hash``: format 1's path without its sha256 pass (and without its check).
-* ``net_write``: receive and write only: no sha256, no writeback hint.
+* ``no_hash``: format 1's path without its sha256 pass (and without its check): receive and write only.
 * ``net_only``: receive only, the bytes discarded: the network + server floor of our client.
 * ``s5cmd`` and ``s5cmd+fsync``: the reference, and what waiting for the disk adds to it.
 
@@ -90,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         out = workdir / "out.bin"
         s5 = [str(venv_binary("s5cmd")), "--endpoint-url", bucket.endpoint_url, "cp",
               f"s3://{bucket.name}/seed/{key}", str(out)]
-        shipped = {"hash_range": s3.hash_range, "start_writeback": s3.start_writeback, "pwrite_all": s3.pwrite_all}
+        shipped = {"hash_range": s3.hash_range, "pwrite_all": s3.pwrite_all}
         shipped_slice = s3.WRITE_SLICE
         skip = lambda *_: None  # noqa: E731
         no_hash_sha = hashlib.sha256().hexdigest()
@@ -133,8 +132,7 @@ def main(argv: list[str] | None = None) -> int:
 
         arms = {"get_file": ours(), "get_file_1mib": ours(write_slice=s3.STREAM_CHUNK),
                 "get_file_v1": ours(block_size=None), "no_hash": ours("hash_range"),
-                "net_write": ours("hash_range", "start_writeback"),
-                "net_only": ours("hash_range", "start_writeback", "pwrite_all"),
+                "net_only": ours("hash_range", "pwrite_all"),
                 "s5cmd": s5cmd, "s5cmd+fsync": s5cmd_fsync}
         sliced = {f"get_file_{n}k": ours(write_slice=n * KiB) for n in args.slice_kib}
         arms.update(sliced)

@@ -11,8 +11,8 @@ What each side does, so the ratio can be read fairly:
   (``--part-size`` x ``--concurrency`` in flight), the manifest last, ``latest``, retention.
 * ours down: list, read the manifest, HEAD, ranged GETs (``--part-size`` x ``--concurrency``), each
   streamed from the socket into its place in the file and block-hashed by its thread (format 2),
-  writeback started per range, atomic commit of the folder (manifest and rename fsynced; the data
-  not: the bucket holds the durable copy, uploader.sync "Pull").
+  no writeback hint (the kernel paces the disk, as for s5cmd), atomic commit of the folder (manifest and
+  rename fsynced; the data not: the bucket holds the durable copy, uploader.sync "Pull").
 * s5cmd: ``s5cmd cp`` with its defaults (50 MB parts, 5 in flight), no end-to-end hash, no fsync;
   ``s5cmd down + fsync`` is also shown (the fsync timed separately, right after): what waiting for
   the disk would add.

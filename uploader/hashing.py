@@ -15,15 +15,13 @@ Three digests exist; a manifest entry says which one it holds by its ``block_siz
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import hashlib
 import logging
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import BinaryIO, Callable, Protocol
+from typing import BinaryIO, Protocol
 
 import blake3
 
@@ -320,31 +318,3 @@ def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     while data:
         written = os.pwrite(fd, data, offset)
         data, offset = data[written:], offset + written
-
-
-_SYNC_FILE_RANGE_WRITE = 2
-
-
-def _load_sync_file_range() -> Callable[..., int] | None:
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = libc.sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_sync_file_range = _load_sync_file_range()
-
-
-def start_writeback(fd: int, offset: int, length: int) -> None:
-    """Ask the kernel to start writing a finished range to disk now, without waiting (Linux only).
-
-    A download is not fsynced (Remote.get_file): this bounds how long its data lives only in memory,
-    and keeps dirty pages from piling up until the kernel throttles the writers. Only a hint, so
-    failures are ignored.
-    """
-    if _sync_file_range is not None:
-        _sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE)

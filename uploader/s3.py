@@ -63,7 +63,6 @@ from uploader.hashing import (
     digest_bytes,
     hash_range,
     pwrite_all,
-    start_writeback,
     tagged,
 )
 from uploader.parallel import ordered_map
@@ -87,6 +86,11 @@ STREAM_CHUNK = 1 * MiB
 # length; why large ones cost so much more here, only while a download runs, is not established.
 # Writing alone (no download), the two sizes took the same median time (0.35 vs 0.34 s per GiB).
 WRITE_SLICE = 32 * KiB
+# Ranged GETs stream through STREAM_CHUNK buffers, so a range's size costs no memory; fewer, longer
+# ranges cost less CPU per byte on both ends (one request, one response header, one retry unit each).
+# 64 MiB took a 1 GiB download from 0.81x to 1.01x s5cmd on 2 shared cores (BENCHMARKS.md, ninth session);
+# a retry then refetches at most that much.
+MAX_GET_RANGE = 64 * MiB
 
 _AUTH_CODES = frozenset(
     {
@@ -325,7 +329,7 @@ class S3Remote:
             raise CorruptCheckpoint(f"{self.url}/{key} is missing")
         if info.size != size:
             raise CorruptCheckpoint(f"{self.url}/{key} has {info.size} bytes, the manifest says {size}")
-        step = align_up(self.config.part_size, block_size)  # a range holds whole blocks: its thread hashes them
+        step = align_up(get_range_size(size, self.config), block_size)  # whole blocks: its thread hashes them
         ranges = [(start, min(start + step, size) - 1) for start in range(0, size, step)]
         received = PartDigest(size, block_size, algorithm)
         failed = threading.Event()
@@ -356,7 +360,6 @@ class S3Remote:
                                      received.part(first))
 
                 self._call(f"GET {key} bytes {first}-{last}", op, should_abort)
-                start_writeback(fd, first, last - first + 1)
                 return span
 
             window = max(1, min(self.config.concurrency, len(ranges)))
@@ -368,7 +371,8 @@ class S3Remote:
                         hash_range(received.in_order, fd, first, last - first + 1, hash_buffer)
                     if on_bytes is not None:
                         on_bytes(last - first + 1)
-        # No fsync (Remote.get_file): writeback has started per range; the bucket is the durable copy.
+        # No fsync and no writeback hint (Remote.get_file): the bucket is the durable copy, and the kernel's
+        # own dirty-page limits pace the disk, as for any downloader (BENCHMARKS.md, ninth session).
         if received.hexdigest() != digest:
             raise CorruptCheckpoint(f"{self.url}/{key} fails its {algorithm} check")
 
@@ -584,6 +588,13 @@ def _either(failed: threading.Event | None, abort: threading.Event | None) -> Ca
     if not events:
         return None
     return lambda: any(e.is_set() for e in events)
+
+
+def get_range_size(size: int, config: UploadConfig) -> int:
+    """The length of one ranged GET of a ``size``-byte object: about two ranges per worker, so every
+    worker keeps busy to the end, but no shorter than a part and no longer than MAX_GET_RANGE."""
+    per_worker = -(-size // (2 * config.concurrency))
+    return max(config.part_size, min(per_worker, MAX_GET_RANGE))
 
 
 def _stream_into(body: Any, fd: int, offset: int, length: int, chunk: bytearray, write_lock: threading.Lock,

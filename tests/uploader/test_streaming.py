@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from uploader.retry import is_transient
-from uploader.s3 import _stream_into
+from uploader.config import MiB, UploadConfig
+from uploader.s3 import MAX_GET_RANGE, _stream_into, get_range_size
 
 
 class PlainBody:
@@ -45,3 +46,16 @@ def test_a_body_that_ends_early_is_a_transient_error(tmp_path: Path) -> None:
     finally:
         os.close(fd)
     assert is_transient(raised.value)
+
+
+@pytest.mark.parametrize(("size", "expected"), [
+    (10 * MiB, 16 * MiB),  # small: never below a part
+    (256 * MiB, 16 * MiB),  # two 16 MiB ranges per worker already
+    (512 * MiB, 32 * MiB),  # two ranges per worker, longer
+    (1024 * MiB, 64 * MiB),
+    (10 * 1024 * MiB, MAX_GET_RANGE),  # a large file: capped, so a retry refetches at most 64 MiB
+])
+def test_ranged_gets_are_about_two_per_worker_between_a_part_and_the_cap(size: int, expected: int) -> None:
+    config = UploadConfig(part_size=16 * MiB, concurrency=8)
+    assert get_range_size(size, config) == expected
+    assert get_range_size(size, UploadConfig(part_size=128 * MiB)) == 128 * MiB  # a configured part wins
