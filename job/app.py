@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ from job.exceptions import ConfigError
 from job.logs import event
 from job.loop import Trainer, unwrap
 from job.resume import check_new_run, resume
+from job.schedule import resolve_at_start
 from job.signals import StopRequest
 from job.spot import SpotWatcher
 from job.storage import RemoteConfig, RemoteStore
@@ -226,15 +227,18 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
                                     protect=store.pending if store is not None else None,
                                     on_commit=store.submit if store is not None else None,
                                     pin_memory=cfg.device == "cuda", sharded=cfg.sharded)
-        cadence = CheckpointCadence(checkpointer, ckpt_cfg)
         resumed = resume(state, ckpt_cfg, checkpointer, meta, store, run.mesh, pulling)
         plan = elastic.fresh_plan(cfg, run.world_size)
         if resumed is not None:
-            cadence.last_step = state.timer.batch.value
             plan = elastic.resumed_plan(resumed, cfg, run.world_size)
             elastic.apply_plan(plan, run, cfg, int(resumed.get("world_size", 1)))
             refit_schedule(run, cfg.lr)
         checkpointer.meta = {**meta, **plan.meta()}
+        eval_interval = resolve_at_start("--eval-interval", cfg.eval_interval, state, plan.global_batch)
+        save_interval = resolve_at_start("--save-interval", ckpt_cfg.interval, state, plan.global_batch)
+        cadence = CheckpointCadence(checkpointer, replace(ckpt_cfg, interval=save_interval))
+        if resumed is not None:
+            cadence.last_step = state.timer.batch.value
         if ckpt_cfg.async_save:
             checkpointer.reserve(state)
         spot_handler = SpotHandler(spot, stop) if spot is not None else None
@@ -262,7 +266,7 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
         event(logger, "start", step=state.timer.batch.value, max_duration=str(state.max_duration),
               device=cfg.device, precision=cfg.precision.value, world_size=distributed.world_size(),
               parameters=sum(p.numel() for p in state.model.parameters()))
-        Trainer(run, cfg.eval_interval, cfg.log_interval, after_step=after_step, should_stop=should_stop,
+        Trainer(run, eval_interval, cfg.log_interval, after_step=after_step, should_stop=should_stop,
                 before_update=checkpointer.before_update).fit()
         if stop.requested:
             _stop_for_preemption(state, cadence, store, stop)

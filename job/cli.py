@@ -28,7 +28,7 @@ from job.schedule import Interval
 from job.signals import StopRequest
 from job.spot import SpotWatcher, check_endpoint, make_source
 from job.storage import UPLOAD_MODES, RemoteConfig
-from state import SEED_LIMIT, Precision, PrecisionError, Time
+from state import SEED_LIMIT, Precision, PrecisionError, Time, TimeUnit
 from uploader.cli import exit_code as storage_exit_code, report_click_error
 from uploader.config import ADDRESSING_STYLES, UploadConfig
 from uploader.exceptions import UploaderError
@@ -121,14 +121,16 @@ def _dump_stacks_on_sigusr1() -> None:
 @option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", help="auto: cuda when present.")
 @option("--precision", type=click.Choice([p.value for p in Precision]), default="fp32", help="amp_* need a GPU.")
 @option("--grad-accum", type=int, default=1, help="Micro-batches per optimizer step (divides --batch-size).")
-@option("--eval-interval", type=IntervalType(), default="1ep", help="Evaluate every N ba/ep or wall-clock (90s).")
+@option("--eval-interval", type=IntervalType(), default="1ep",
+        help="Evaluate every N ba/ep, a fraction of --max-duration (0.25dur) or wall-clock (90s).")
 @option("--log-interval", type=int, default=20, help="Log progress every N batches.")
 @option("--num-workers", type=int, default=0, help="DataLoader worker processes.")
 @option("--sharded/--no-sharded", default=False,
         help="FSDP2: shard parameters and optimizer state across torchrun ranks; each rank writes its own shard.")
 @option("--save-folder", type=click.Path(file_okay=False, path_type=Path), default=Path("checkpoints"),
         help="Local checkpoint folder.")
-@option("--save-interval", type=IntervalType(), default="5m", help="Checkpoint every N ba/ep or wall clock (90s, 5m).")
+@option("--save-interval", type=IntervalType(), default="5m",
+        help="Checkpoint every N ba/ep, a fraction of --max-duration (0.1dur) or wall clock (90s, 5m).")
 @option("--keep", type=int, default=3, help="Keep the newest N checkpoints, locally and in the remote.")
 @option("--async-save/--sync-save", default=True,
         help="async: block only for a copy into host memory and write in the background (a checkpoint due "
@@ -168,13 +170,17 @@ def train(**o: Any) -> None:
         raise ConfigError("--eval-interval in seconds cannot be used with torchrun (ranks must evaluate at the "
                           "same step); use ba or ep")
     try:
+        # `dur` intervals are fractions of this start's --max-duration (a resume may change it): resolved
+        # here where that alone decides, otherwise once the data is built (Interval.resolve).
+        eval_interval = _resolved("--eval-interval", o["eval_interval"], o["max_duration"])
+        save_interval = _resolved("--save-interval", o["save_interval"], o["max_duration"])
         cfg = TrainConfig(
             model=o["model"], data=o["data"], max_duration=o["max_duration"], batch_size=o["batch_size"],
             lr=o["lr"], seed=o["seed"], device=resolve_device(o["device"]), precision=Precision(o["precision"]),
-            grad_accum=o["grad_accum"], eval_interval=o["eval_interval"], log_interval=o["log_interval"],
+            grad_accum=o["grad_accum"], eval_interval=eval_interval, log_interval=o["log_interval"],
             num_workers=o["num_workers"], sharded=o["sharded"],
         )
-        ckpt = CheckpointConfig(folder=o["save_folder"], interval=o["save_interval"], keep=o["keep"], resume=o["resume"],
+        ckpt = CheckpointConfig(folder=o["save_folder"], interval=save_interval, keep=o["keep"], resume=o["resume"],
                                 async_save=o["async_save"])
         remote = RemoteConfig(url=o["remote"], mode=o["upload"], upload=UploadConfig(
             endpoint_url=o["endpoint_url"], addressing=o["addressing"], keep=o["keep"]),
@@ -208,6 +214,16 @@ def train(**o: Any) -> None:
         exit_now(EXIT_PREEMPTED)
     if outcome.preempted:
         sys.exit(EXIT_PREEMPTED)
+
+
+def _resolved(flag: str, interval: Interval, max_duration: Time) -> Interval:
+    """``interval`` resolved against --max-duration as far as the options allow; errors name the flag."""
+    if max_duration.unit == TimeUnit.DURATION:  # refused by TrainConfig, with its own message
+        return interval
+    try:
+        return interval.resolve(max_duration)
+    except ValueError as e:
+        raise ValueError(f"{flag} {e}") from None
 
 
 def exit_now(code: int) -> NoReturn:

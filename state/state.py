@@ -1,8 +1,8 @@
 """The training state: everything a preempted job needs to continue as if it had never stopped.
 
-Modelled on MosaicML Composer's ``State`` (v0.5): the same attributes, the same checkpoint layout and the
-same tolerance of older checkpoints, plus the RNG streams and training-metric accumulators that a bit-exact
-resume also needs. Pure data and torch: where the checkpoint is written, and when, is the job's business.
+Modelled on MosaicML Composer's ``State`` (v0.5/v0.6): the same attributes, the same checkpoint layout and
+the same tolerance of older checkpoints (the ``state`` entry of a Composer v0.5/v0.6 checkpoint loads here),
+plus the RNG streams and training-metric accumulators that a bit-exact resume also needs. Pure data and torch: where the checkpoint is written, and when, is the job's business.
 """
 
 from __future__ import annotations
@@ -112,6 +112,14 @@ class State(Serializable):
 
     ``state_dict()`` returns live tensors of the model and optimizers (no copy, to keep GPU memory flat):
     serialize it before the next training step.
+
+    Setters refuse what cannot train, at construction as after it: ``grad_accum`` below 1 (0 micro-batches
+    per step would never step), a ``max_duration`` of zero ("0ep") or in ``dur`` (it is the unit ``dur``
+    is a fraction of), an AMP ``precision`` without a CUDA GPU. The last differs from Composer v0.6, which
+    accepts AMP on a CPU machine and fails only when the precision context is first entered: a job that
+    cannot train should fail in its first second, before it downloads a checkpoint and builds the model,
+    not at the first forward pass. A custom ``precision_context`` factory opts out of that check (the
+    factory then decides what the precision means).
     """
 
     def __init__(

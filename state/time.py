@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import re
 from enum import Enum
 from typing import Any, Generic, TypeVar
@@ -52,6 +53,13 @@ class Time(Generic[TValue]):
 
     Arithmetic and ordering refuse to mix units, because "5ep + 100ba" has no meaning without knowing the
     dataset size, and guessing it is how schedules silently go wrong.
+
+    Scaling follows Composer v0.6: ``Time(2, "ep") * 0.5``, ``0.5 * Time(2, "ep")`` and
+    ``Time(0.5, "dur") * Time(2, "ep")`` are ``1ep``; ``Time(4, "ep") / 2`` is ``2ep``; a count stays an
+    int (truncated, as Composer's ``int()`` does) and a ``dur`` stays a float. Deliberate differences, for
+    the reasons given at each method: a result within float noise of a whole number is that number
+    (``Time(100, "ba") * 0.29`` is 29ba, Composer's is 28ba); mixing units raises TypeError, not
+    RuntimeError; different units compare unequal instead of raising; strings are never parsed implicitly.
     """
 
     __slots__ = ("_value", "_unit")
@@ -59,8 +67,9 @@ class Time(Generic[TValue]):
     def __init__(self, value: TValue, unit: TimeUnit | str) -> None:
         if not _is_number(value):
             raise TypeError(f"Time value must be an int or float, got {type(value).__name__}: {value!r}")
-        self._value: TValue = value
         self._unit = TimeUnit(unit)
+        # A fraction is a float whatever it was given as (as in Composer), so "1dur" scaled stays a fraction.
+        self._value: TValue = float(value) if self._unit is TimeUnit.DURATION else value  # type: ignore[assignment]
 
     @property
     def value(self) -> TValue:
@@ -148,8 +157,48 @@ class Time(Generic[TValue]):
         value = self._operand(other, "subtract")
         return NotImplemented if value is None else Time(value - self.value, self.unit)
 
-    def __truediv__(self, other: Time[Any]) -> Time[float]:
-        """The fraction of ``other`` that ``self`` covers, e.g. elapsed / max_duration."""
+    def __neg__(self) -> Time[TValue]:
+        return Time(-self.value, self.unit)
+
+    def __pos__(self) -> Time[TValue]:
+        return Time(self.value, self.unit)
+
+    def __int__(self) -> int:
+        return int(self.value)
+
+    def __float__(self) -> float:
+        return float(self.value)
+
+    def _scaled(self, factor: Number) -> Time[Any]:
+        """``self`` times ``factor`` in its own unit, keeping its value type (Composer's rule)."""
+        return Time(_like(self.value, self.value * factor), self.unit)
+
+    def __mul__(self, other: Time[Any] | Number) -> Time[Any]:
+        """Scale by a number or by a fraction (``dur``); the other operand's unit is kept.
+
+        Two counts cannot be multiplied: "2ep * 3ba" is no amount of training time.
+        """
+        if _is_number(other):
+            return self._scaled(other)  # type: ignore[arg-type]
+        if not isinstance(other, Time):
+            return NotImplemented
+        if TimeUnit.DURATION not in (self.unit, other.unit):
+            raise TypeError(
+                f"cannot multiply {self} and {other}: one of them must be a fraction in 'dur' (or a plain number)"
+            )
+        if self.unit is TimeUnit.DURATION:
+            return other._scaled(self.value)
+        return self._scaled(other.value)
+
+    __rmul__ = __mul__
+
+    def __truediv__(self, other: Time[Any] | Number) -> Time[Any]:
+        """By a Time of the same unit: the fraction of it that ``self`` covers (e.g. elapsed / max_duration).
+
+        By a number: ``self`` scaled down, in its own unit (``Time(4, "ep") / 2`` is ``2ep``).
+        """
+        if _is_number(other):
+            return Time(_like(self.value, self.value / other), self.unit)
         if not isinstance(other, Time):
             return NotImplemented
         value = self._operand(other, "divide")
@@ -187,6 +236,10 @@ class Time(Generic[TValue]):
     def __str__(self) -> str:
         return f"{self.value}{self.unit.value}"
 
+    def to_timestring(self) -> str:
+        """The form ``from_timestring`` parses back, e.g. "5ep" or "0.5dur" (Composer's name for ``str``)."""
+        return str(self)
+
     def __repr__(self) -> str:
         return f"Time({self.value!r}, TimeUnit.{self.unit.name})"
 
@@ -195,10 +248,17 @@ class Timer(Serializable):
     """Counts training progress in every unit at once, so any schedule can ask in the unit it was given in.
 
     It is the part of a checkpoint that says where to resume; its state_dict holds plain ints only so that it
-    loads with ``torch.load(weights_only=True)`` and reads well in a manifest.
+    loads with ``torch.load(weights_only=True)`` and reads well in a manifest. The keys are Composer v0.6's
+    (epoch, batch, sample, token and the three ``*_in_epoch``), so each side's ``Timer.load_state_dict``
+    reads the other's timer.
+
+    As in Composer, two timers are equal when all their counters are, a timer compares with a Time by its
+    counter in that Time's unit (``Timer() < Time(5, "ep")``), and a timer is unhashable: it is mutable.
     """
 
-    _FIELDS = ("epoch", "batch", "sample", "token", "batch_in_epoch")
+    _FIELDS = ("epoch", "batch", "sample", "token", "batch_in_epoch", "sample_in_epoch", "token_in_epoch")
+    # Spot-trainer checkpoints written before sample_in_epoch and token_in_epoch existed lack these two.
+    _ADDED_FIELDS = ("sample_in_epoch", "token_in_epoch")
 
     def __init__(self) -> None:
         self._epoch = 0
@@ -206,6 +266,8 @@ class Timer(Serializable):
         self._sample = 0
         self._token = 0
         self._batch_in_epoch = 0
+        self._sample_in_epoch = 0
+        self._token_in_epoch = 0
 
     @property
     def epoch(self) -> Time[int]:
@@ -230,6 +292,16 @@ class Timer(Serializable):
         """Completed batches of the current epoch: the sampler's resume point."""
         return Time(self._batch_in_epoch, TimeUnit.BATCH)
 
+    @property
+    def sample_in_epoch(self) -> Time[int]:
+        """Samples of the current epoch; 0 again at each epoch, like ``batch_in_epoch``."""
+        return Time(self._sample_in_epoch, TimeUnit.SAMPLE)
+
+    @property
+    def token_in_epoch(self) -> Time[int]:
+        """Tokens of the current epoch; 0 again at each epoch, like ``batch_in_epoch``."""
+        return Time(self._token_in_epoch, TimeUnit.TOKEN)
+
     def get(self, unit: TimeUnit | str) -> Time[int]:
         """Progress in ``unit``; DURATION is refused because only State knows the total to divide by."""
         unit = TimeUnit(unit)
@@ -250,34 +322,107 @@ class Timer(Serializable):
         self._batch += 1
         self._batch_in_epoch += 1
         self._sample += samples
+        self._sample_in_epoch += samples
         self._token += tokens
+        self._token_in_epoch += tokens
 
     def on_epoch_complete(self) -> None:
         self._epoch += 1
         self._batch_in_epoch = 0
+        self._sample_in_epoch = 0
+        self._token_in_epoch = 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "epoch": self._epoch,
-            "batch": self._batch,
-            "sample": self._sample,
-            "token": self._token,
-            "batch_in_epoch": self._batch_in_epoch,
-        }
+        return {name: getattr(self, f"_{name}") for name in self._FIELDS}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        missing = [name for name in self._FIELDS if name not in state]
+        """Restore from Composer's or this project's timer state, including those written before the
+        ``sample_in_epoch``/``token_in_epoch`` counters (see :func:`_derive_in_epoch` for their values)."""
+        required = [name for name in self._FIELDS if name not in self._ADDED_FIELDS]
+        missing = [name for name in required if name not in state]
         if missing:
             raise StateError(f"timer state is missing {', '.join(missing)}; was it written by Timer.state_dict()?")
         for name in self._FIELDS:
-            _check_count(f"timer {name}", state[name])
+            if name in state:
+                _check_count(f"timer {name}", state[name])
+        values = {name: int(state[name]) for name in required}
+        for name, total in (("sample_in_epoch", "sample"), ("token_in_epoch", "token")):
+            values[name] = (
+                int(state[name])
+                if name in state
+                else _derive_in_epoch(
+                    values[total], values["epoch"], values["batch"], values["batch_in_epoch"], name
+                )
+            )
         # Validate everything before assigning anything, so a bad checkpoint leaves the timer untouched.
-        for name in self._FIELDS:
-            setattr(self, f"_{name}", int(state[name]))
+        for name, value in values.items():
+            setattr(self, f"_{name}", value)
+
+    def _compared(self, other: object) -> Time[int] | None:
+        """This timer's counter in ``other``'s unit, None when ``other`` is not a Time."""
+        return self.get(other.unit) if isinstance(other, Time) else None
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Timer):
+            return self.state_dict() == other.state_dict()
+        counter = self._compared(other)
+        return NotImplemented if counter is None else counter == other
+
+    # Equal timers stop being equal as soon as one of them counts a batch: a hash would change under a dict.
+    __hash__ = None  # type: ignore[assignment]
+
+    def __lt__(self, other: object) -> bool:
+        counter = self._compared(other)
+        return NotImplemented if counter is None else counter < other  # type: ignore[operator]
+
+    def __le__(self, other: object) -> bool:
+        counter = self._compared(other)
+        return NotImplemented if counter is None else counter <= other  # type: ignore[operator]
+
+    def __gt__(self, other: object) -> bool:
+        counter = self._compared(other)
+        return NotImplemented if counter is None else counter > other  # type: ignore[operator]
+
+    def __ge__(self, other: object) -> bool:
+        counter = self._compared(other)
+        return NotImplemented if counter is None else counter >= other  # type: ignore[operator]
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{name}={getattr(self, '_' + name)}" for name in self._FIELDS)
         return f"Timer({fields})"
+
+
+def _derive_in_epoch(total: int, epoch: int, batch: int, batch_in_epoch: int, name: str) -> int:
+    """An ``*_in_epoch`` counter that an older spot-trainer checkpoint did not save.
+
+    Exact at an epoch boundary (0) and during the first epoch (the total). Elsewhere it assumes the batches
+    so far were all the same size, which the job's global batches (drop_last) make true for samples; for
+    tokens it is an estimate. Nothing in spot-trainer reads these counters to resume (the data position is
+    epoch and batch_in_epoch), so an estimate can only skew what a callback reports until the epoch ends.
+    """
+    if batch_in_epoch == 0:
+        return 0
+    if epoch == 0 or batch <= batch_in_epoch:
+        return total
+    derived = total * batch_in_epoch // batch
+    logger.info(
+        "the checkpoint's timer has no %s (written before it existed); assuming equal batches: %d", name, derived
+    )
+    return derived
+
+
+def _like(original: Number, value: float) -> Any:
+    """``value`` as the type of ``original``: counts stay ints, fractions stay floats.
+
+    Composer truncates with ``int()``; so does this, except that a result within float noise of a whole
+    number is that number, so that ``100ba * 0.29`` is 29ba and not 28ba (0.29 * 100 is 28.999999999999996).
+    """
+    if isinstance(original, float):
+        return float(value)
+    nearest = round(value)
+    if math.isclose(value, nearest, rel_tol=1e-9, abs_tol=1e-9):
+        return int(nearest)
+    return int(value)
 
 
 def _check_count(name: str, value: object) -> None:

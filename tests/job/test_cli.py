@@ -44,6 +44,10 @@ def run_main(capsys, *argv: str) -> tuple[int, str, str]:
         (["train", "--lr", "inf"], "--lr"),
         (["train", "--sharded"], "torchrun"),
         (["train", "--spot-notice", "aws", "--spot-endpoint", "notaurl"], "--spot-endpoint"),
+        (["train", "--save-interval", "1.5dur"], "--save-interval"),
+        (["train", "--max-duration", "30ba", "--save-interval", "0.01dur"], "--save-interval 0.01dur of --max-"),
+        (["train", "--max-duration", "30ba", "--eval-interval", "0.001dur"], "--eval-interval 0.001dur of --max-"),
+        (["train", "--max-duration", "1000tok", "--eval-interval", "0.5dur"], "--eval-interval 0.5dur of --max-"),
     ],
 )
 def test_bad_input_gives_one_clear_line_and_nonzero_exit(capsys, tmp_path, monkeypatch, argv, needle):
@@ -65,6 +69,34 @@ def test_a_seed_that_overflows_on_the_last_rank_is_refused_before_joining(capsys
     assert code == 2
     assert err.strip() == ("job: error: --seed 4294967295: rank r seeds with seed + r, and rank 1 would pass "
                            "4294967295; use a seed below 4294967295")
+
+
+@pytest.mark.parametrize(
+    "max_duration, save_interval, eval_interval, expected_save, expected_eval",
+    [
+        ("12ep", "0.25dur", "0.5dur", "3ep", "6ep"),
+        ("20ep", "0.25dur", "0.5dur", "5ep", "10ep"),  # a resume with another --max-duration: recomputed
+        ("300ba", "0.1dur", "0.25dur", "30ba", "75ba"),
+        ("12ep", "0.1dur", "2ep", "0.1dur", "2ep"),  # 1.2ep: left for the run, once the epoch length is known
+    ],
+)
+def test_dur_intervals_are_fractions_of_this_starts_max_duration(
+        capsys, tmp_path, monkeypatch, max_duration, save_interval, eval_interval, expected_save, expected_eval):
+    import job.app
+    from job.app import Outcome
+
+    seen = {}
+
+    def fake_train(cfg, ckpt, remote, stop, spot):
+        seen.update(eval=str(cfg.eval_interval), save=str(ckpt.interval))
+        return Outcome(None, preempted=False)
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(job.app, "train", fake_train)
+    code, _, err = run_main(capsys, "train", "--max-duration", max_duration, "--save-interval", save_interval,
+                            "--eval-interval", eval_interval, "--device", "cpu")
+    assert code == 0, err
+    assert seen == {"save": expected_save, "eval": expected_eval}
 
 
 def test_every_option_has_an_env_var_and_shows_its_default(capsys):

@@ -47,7 +47,17 @@ def test_state_dict_layout(make_setup: MakeSetup) -> None:
     assert saved["callbacks"] == {"Counter": {"count": 0}}
     assert saved["algorithms"] == {"Stateless": {}}
     assert saved["scaler"] == {}
-    assert saved["timer"] == {"Timer": {"epoch": 0, "batch": 4, "sample": 16, "token": 0, "batch_in_epoch": 4}}
+    assert saved["timer"] == {
+        "Timer": {
+            "epoch": 0,
+            "batch": 4,
+            "sample": 16,
+            "token": 0,
+            "batch_in_epoch": 4,
+            "sample_in_epoch": 16,
+            "token_in_epoch": 0,
+        }
+    }
     assert saved["rank_zero_seed"] == 0
     assert saved["current_metrics"] == {}
     assert sorted(saved["train_metrics"]) == ["accuracy", "loss"]

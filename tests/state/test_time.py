@@ -183,7 +183,15 @@ def test_timer_rejects_bad_counts(samples: object, tokens: object, error: type) 
 
 def test_timer_state_dict_is_plain_ints_and_round_trips() -> None:
     saved = _advanced_timer().state_dict()
-    assert saved == {"epoch": 1, "batch": 4, "sample": 29, "token": 300, "batch_in_epoch": 1}
+    assert saved == {
+        "epoch": 1,
+        "batch": 4,
+        "sample": 29,
+        "token": 300,
+        "batch_in_epoch": 1,
+        "sample_in_epoch": 5,
+        "token_in_epoch": 0,
+    }
     assert all(type(value) is int for value in saved.values())
     restored = Timer()
     restored.load_state_dict(saved)
