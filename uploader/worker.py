@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from uploader.exceptions import Aborted, TransientStorageError
 from uploader.local import LocalCheckpoint
 from uploader.remote import Remote
+from uploader.runlog import RunlogMirror
 from uploader.sync import push
 
 logger = logging.getLogger(__name__)
@@ -24,7 +27,9 @@ logger = logging.getLogger(__name__)
 class BackgroundUploader:
     """One daemon thread, at most one checkpoint queued behind the one uploading."""
 
-    def __init__(self, remote: Remote, keep: int = 3, *, retry_interval: float = 5.0) -> None:
+    def __init__(self, remote: Remote, keep: int = 3, *, retry_interval: float = 5.0,
+                 runlog: RunlogMirror | None = None,
+                 on_uploaded: Callable[[LocalCheckpoint, float], None] | None = None) -> None:
         if keep < 1:
             raise ValueError(f"keep must be >= 1, not {keep}")
         self._remote = remote
@@ -38,6 +43,9 @@ class BackgroundUploader:
         self._abort = threading.Event()
         self._error: BaseException | None = None
         self._fatal = False  # the last failure is not transient: wait() re-raises it
+        self._runlog = runlog
+        self._on_uploaded = on_uploaded  # (checkpoint, seconds): the job's ledger counts upload time
+        self._runlog_due = False
         self._thread = threading.Thread(target=self._run, name="uploader-background", daemon=True)
         self._thread.start()
 
@@ -61,6 +69,13 @@ class BackgroundUploader:
             if self._queued is not None:
                 logger.info("%s superseded by %s before its upload started", self._queued.name, ckpt.name)
             self._queued = ckpt
+            self._cond.notify_all()
+
+    def sync_runlog(self) -> None:
+        """Upload the run log (uploader.runlog) soon, from the background thread; it also goes up after
+        every checkpoint and at close."""
+        with self._cond:
+            self._runlog_due = True
             self._cond.notify_all()
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -94,6 +109,10 @@ class BackgroundUploader:
             with self._cond:
                 self._cond.notify_all()
             self._thread.join()
+        # The last records (a life's end) after the last checkpoint: a few KiB, and the checkpoints came first.
+        # Not after a failure retrying cannot fix (AuthError, BucketNotFound): it would only fail again.
+        if not self._fatal:
+            self._mirror_runlog()
         with self._cond:
             return self._queued is None and self._error is None
 
@@ -106,13 +125,21 @@ class BackgroundUploader:
     def _run(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._queued is not None or self._closing)
+                self._cond.wait_for(lambda: self._queued is not None or self._closing or self._runlog_due)
+                ckpt = self._queued
+                runlog_only = ckpt is None and self._runlog_due and not self._closing
+                self._runlog_due = False
+            if runlog_only:
+                self._mirror_runlog()
+                continue
+            with self._cond:
                 ckpt = self._queued
                 if ckpt is None:  # closing with nothing queued
                     return
                 self._queued = None
                 self._current = ckpt
                 self._busy = True
+            began = time.monotonic()
             try:
                 push(ckpt, self._remote, self._keep, abort=self._abort)
             except Aborted as e:
@@ -126,7 +153,21 @@ class BackgroundUploader:
                 logger.error("upload of %s failed: %s", ckpt.name, e)
                 self._finish(e, fatal=True)
                 continue
+            if self._on_uploaded is not None:
+                self._on_uploaded(ckpt, time.monotonic() - began)
+            self._mirror_runlog()
             self._finish(None, fatal=False)
+
+    def _mirror_runlog(self) -> None:
+        """The run log is a record, not state: failing to upload it never fails a checkpoint or the job;
+        it is tried again after the next checkpoint."""
+        if self._runlog is None:
+            return
+        try:
+            self._runlog.sync()
+        except Exception as e:  # noqa: BLE001 - logged; the next sync tries again
+            logger.warning("run log not uploaded to %s: %s; trying again after the next checkpoint",
+                           self._remote.url, e)
 
     def _finish(self, error: BaseException | None, *, fatal: bool, retry: LocalCheckpoint | None = None) -> None:
         with self._cond:
