@@ -12,8 +12,10 @@
 #            (torch, triton and the nvidia-* CUDA 12 / cuDNN 9 wheels it depends on; the CUDA 12.6 build,
 #            the base's 12.8 one is similar) is 3.0 GB zipped and 5.4 GB unpacked, read from the wheels'
 #            zip directories (`pip install --dry-run --report` for the list); the base adds Ubuntu,
-#            conda's Python, torchvision and torchaudio. The project's layer adds ~30 MB (botocore 22 MB,
-#            torchmetrics 4 MB, the project 0.4 MB), ~90 MB if the base's Python lacks numpy (57 MB).
+#            conda's Python, torchvision and torchaudio. The project's layer adds ~110 MB (tensorboard
+#            and what it pulls in ~80 MB: its data server 20 MB, grpcio 19 MB, pillow 22 MB, itself 12 MB;
+#            botocore 22 MB, torchmetrics 4 MB, the project 0.4 MB), ~170 MB if the base's Python lacks
+#            numpy (57 MB). --no-tensorboard does not shrink it; the import is skipped, not the install.
 #   uploader ~165 MB / ~60 MB: python:3.11-slim is ~130 MB / ~45 MB (Debian bookworm-slim plus CPython,
 #            as Docker Hub and `docker images` list it); boto3, botocore, s3transfer, urllib3, jmespath,
 #            python-dateutil, six, click and tenacity are 17.7 MB of wheels (`pip download boto3==1.44.8

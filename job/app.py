@@ -5,6 +5,7 @@ stop request, spot notices) and owns only the order of events.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -17,8 +18,10 @@ import torch
 from job.build import build, refit_schedule
 from job import distributed, elastic
 from job.checkpoint import Checkpointer, claim_folder
+from job.curves import recording
 from job.config import CheckpointConfig, TrainConfig
 from job.exceptions import ConfigError
+from job.ledger import Ledger
 from job.logs import event
 from job.loop import Trainer, unwrap
 from job.resume import check_new_run, resume
@@ -205,11 +208,14 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
     node_uploads = cfg.sharded and distributed.nodes() > 1 and distributed.node_leader()
     if leader or node_uploads:
         claim_folder(ckpt_cfg.folder)
-    store = RemoteStore(remote_cfg) if (leader or node_uploads) and remote_cfg is not None and remote_cfg.url else None
+    store = RemoteStore(remote_cfg, ckpt_cfg.folder) if (leader or node_uploads) and remote_cfg is not None and remote_cfg.url else None
     # The newest remote checkpoint downloads while the model is built: a resume waits for the larger one.
     # Sharded on several nodes, each node downloads later, once the model says what its ranks read (job.node_pull).
     pulling = (store.start_pull(ckpt_cfg.folder) if store is not None and ckpt_cfg.resume == "auto"
                and not node_uploads else None)
+    life = Ledger.open(ckpt_cfg.folder, distributed.world_size(), store.remote if store is not None else None,
+                       store.sync_runlog if store is not None else None) if leader else None
+    curves = contextlib.ExitStack()  # the TensorBoard writer, from the first step to the end (job.curves)
     checkpointer: Checkpointer | None = None
     failed = False
     try:
@@ -218,6 +224,7 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
         if store is not None:  # while the pull runs: read-only credentials fail before the model is built
             store.check_writable()
         run = build(cfg)
+        event(logger, "built", model=cfg.model)
         state = run.state
         if cfg.max_duration.unit == TimeUnit.TOKEN and not hasattr(unwrap(state.model), "num_tokens"):
             raise ConfigError(f"--max-duration {cfg.max_duration} counts tokens, but --model {cfg.model!r} "
@@ -263,6 +270,8 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
         def should_stop(state: State) -> bool:
             return stopping if distributed.active() else stop.should_stop(state)
 
+        if leader and cfg.tensorboard:
+            curves.enter_context(recording(ckpt_cfg.folder, start_step=state.timer.batch.value))
         event(logger, "start", step=state.timer.batch.value, max_duration=str(state.max_duration),
               device=cfg.device, precision=cfg.precision.value, world_size=distributed.world_size(),
               parameters=sum(p.numel() for p in state.model.parameters()))
@@ -280,13 +289,18 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
         event(logger, "finished", step=state.timer.batch.value, epoch=state.timer.epoch.value,
               metrics={label: {k: round(float(v), 6) for k, v in m.items()} for label, m in state.current_metrics.items()})
         return Outcome(state, preempted=False)
-    except Exception:
+    except Exception as e:
         failed = True
+        if life is not None:
+            life.failed(e)
         if checkpointer is not None:  # a failure in the loop can find a checkpoint being written
             checkpointer.close(timeout=_until_exit(stop))
         if distributed.node_leader():
             _mark_failed(ckpt_cfg.folder)
         raise
     finally:
+        curves.close()
+        if life is not None:
+            life.close()
         if store is not None:  # a failed or stopped job does not wait for uploads: they had their time
             store.close(timeout=0 if stop.requested or failed else None)

@@ -85,6 +85,7 @@ class Checkpointer:
         # that completes it after a later step).
         self.last_stall_seconds: float | None = None
         self.last_write_seconds: float | None = None  # serialize + hash + fsync + commit of the last one
+        self._durable_since: float | None = None  # a durable save() is running in the training thread since
         self._snapshot = HostSnapshot(pin_memory)
         self._host_shards = HostStaging(pin_memory)
         self._pending: _ShardedSave | None = None  # the sharded checkpoint in flight, on every rank alike
@@ -164,14 +165,17 @@ class Checkpointer:
     def save(self, state: State) -> local.LocalCheckpoint | None:
         """Write and commit a checkpoint of ``state`` now; durable when this returns."""
         self.wait()
-        started = time.perf_counter()
-        if self.sharded:
-            ckpt = self._save_sharded_now(state)
-        else:
-            tree = distributed.gather_per_rank(state.state_dict())
-            ckpt = None
-            if distributed.rank() == 0:
-                ckpt = self._write(tree, state.timer.batch.value, state.timer.state_dict())
+        started = self._durable_since = time.perf_counter()
+        try:
+            if self.sharded:
+                ckpt = self._save_sharded_now(state)
+            else:
+                tree = distributed.gather_per_rank(state.state_dict())
+                ckpt = None
+                if distributed.rank() == 0:
+                    ckpt = self._write(tree, state.timer.batch.value, state.timer.state_dict())
+        finally:
+            self._durable_since = None
         distributed.barrier()  # no rank goes on (or exits) before the checkpoint is durable
         self.last_stall_seconds = time.perf_counter() - started
         return ckpt
@@ -440,8 +444,16 @@ class Checkpointer:
             if not self._retention_frozen:
                 local.prune(self.folder, self.keep, manifest.step, protect=self.protect())
         self.last_write_seconds = time.perf_counter() - started
+        # "stall": how long the training loop was blocked for this checkpoint, as far as known at its commit.
+        # A durable save(): the whole save up to here (not the wait for the one in flight before it). An
+        # asynchronous one: its copy in save_async plus before_update's wait for the pipelined copy, which ends
+        # before the write starts (counted by the training thread as it wakes, long before this commit).
+        # Sharded: the copy and plan plus the gathers before the commit; the loop's wait in the gather call
+        # that sees the commit end is not in it (it is in last_stall_seconds).
+        since = self._durable_since
+        stall = time.perf_counter() - since if since is not None else self.last_stall_seconds
         event(logger, "checkpoint", step=manifest.step, path=str(ckpt.path), bytes=manifest.total_size,
-              seconds=round(self.last_write_seconds, 3))
+              seconds=round(self.last_write_seconds, 3), stall=None if stall is None else round(stall, 3))
         if self.on_commit is not None:
             self.on_commit(ckpt)
         return ckpt

@@ -22,14 +22,14 @@ import torch
 from job import distributed
 from job.config import CheckpointConfig, TrainConfig
 from job.distributed import DistConfig
-from job.exceptions import EXIT_BUG, EXIT_PREEMPTED, EXIT_USAGE, ConfigError, JobError
+from job.exceptions import EXIT_BUG, EXIT_PREEMPTED, EXIT_USAGE, ConfigError, JobError, exit_code_for
 from job.logs import setup_logging
 from job.schedule import Interval
 from job.signals import StopRequest
 from job.spot import SpotWatcher, check_endpoint, make_source
 from job.storage import UPLOAD_MODES, RemoteConfig
 from state import SEED_LIMIT, Precision, PrecisionError, Time, TimeUnit
-from uploader.cli import exit_code as storage_exit_code, report_click_error
+from uploader.cli import report_click_error
 from uploader.config import ADDRESSING_STYLES, UploadConfig
 from uploader.exceptions import UploaderError
 from uploader.redact import redact_text
@@ -127,6 +127,9 @@ def _dump_stacks_on_sigusr1() -> None:
 @option("--num-workers", type=int, default=0, help="DataLoader worker processes.")
 @option("--sharded/--no-sharded", default=False,
         help="FSDP2: shard parameters and optimizer state across torchrun ranks; each rank writes its own shard.")
+@option("--tensorboard/--no-tensorboard", default=True,
+        help="Write training curves (loss, lr, throughput, eval, checkpoint stall) as TensorBoard event files "
+             "under <save-folder>/runlog/tensorboard, uploaded with the checkpoints; one clean curve across resumes.")
 @option("--save-folder", type=click.Path(file_okay=False, path_type=Path), default=Path("checkpoints"),
         help="Local checkpoint folder.")
 @option("--save-interval", type=IntervalType(), default="5m",
@@ -178,7 +181,7 @@ def train(**o: Any) -> None:
             model=o["model"], data=o["data"], max_duration=o["max_duration"], batch_size=o["batch_size"],
             lr=o["lr"], seed=o["seed"], device=resolve_device(o["device"]), precision=Precision(o["precision"]),
             grad_accum=o["grad_accum"], eval_interval=eval_interval, log_interval=o["log_interval"],
-            num_workers=o["num_workers"], sharded=o["sharded"],
+            num_workers=o["num_workers"], sharded=o["sharded"], tensorboard=o["tensorboard"],
         )
         ckpt = CheckpointConfig(folder=o["save_folder"], interval=save_interval, keep=o["keep"], resume=o["resume"],
                                 async_save=o["async_save"])
@@ -257,6 +260,44 @@ def inspect(path: str, endpoint_url: str | None, addressing: str) -> None:
     click.echo(json.dumps(info, sort_keys=True))
 
 
+@cli.command()
+@click.argument("source")
+@option("--format", type=click.Choice(["text", "json"]), default="text", help="A table, or JSON for scripts.")
+@option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None,
+        help="Also write a timeline of the lives as an SVG file (one bar per life).")
+@option("--endpoint-url", default=None, help="S3 endpoint for s3:// sources; AWS_ENDPOINT_URL is honoured too.")
+@option("--addressing", type=click.Choice(ADDRESSING_STYLES), default="auto", help="S3 addressing style.")
+def report(source: str, format: str, plot: Path | None, endpoint_url: str | None,  # noqa: A002 - click's name
+           addressing: str) -> None:
+    """What preemption cost a run: its lives and the goodput breakdown, from its ledger.
+
+    SOURCE is the run's --remote (s3://bucket/prefix, file:///path) or its --save-folder. Only reads:
+    read-only credentials are enough. Malformed ledger entries are skipped and listed.
+    """
+    from job import report as reporting
+    from uploader.remote import open_remote
+
+    if plot is not None and plot.suffix.lower() != ".svg":
+        raise ConfigError(f"--plot {plot}: only .svg is written (it opens in any browser)")
+    url = source if "://" in source else Path(source).resolve().as_uri()
+    if "://" not in source and not Path(source).is_dir():
+        raise ConfigError(f"{source} is not a folder or a remote URL (s3://bucket/prefix, file:///path)")
+    remote = open_remote(url, UploadConfig(endpoint_url=endpoint_url, addressing=addressing))
+    try:
+        lives, skipped = reporting.load(remote)
+    finally:
+        remote.close()
+    if not lives and not skipped:
+        raise ConfigError(f"no ledger under {source} (runlog/ledger/): is it the run's --remote or --save-folder?")
+    per_life = reporting.costs(lives)
+    if plot is not None:
+        reporting.write_plot(plot, per_life)
+    if format == "json":
+        click.echo(json.dumps(reporting.as_json(per_life, skipped), sort_keys=True))
+    else:
+        click.echo(reporting.as_text(per_life, skipped))
+
+
 def describe_remote(url: str, tmp: Path, endpoint_url: str | None, addressing: str) -> dict[str, Any]:
     """Pull the newest complete, verified checkpoint under ``url`` into ``tmp`` and describe it."""
     from job.checkpoint import describe, open_checkpoint
@@ -298,17 +339,10 @@ def run(argv: list[str] | None) -> int:
     except click.exceptions.Abort:
         click.echo("job: aborted", err=True)
         return 130
-    except JobError as e:
+    except (JobError, UploaderError, PrecisionError) as e:
         logger.debug("job error", exc_info=True)
         click.echo(f"job: error: {redact_text(str(e))}", err=True)
-        return e.exit_code
-    except UploaderError as e:
-        logger.debug("storage error", exc_info=True)
-        click.echo(f"job: error: {redact_text(str(e))}", err=True)
-        return storage_exit_code(e)
-    except PrecisionError as e:
-        click.echo(f"job: error: {e}", err=True)
-        return EXIT_USAGE
+        return exit_code_for(e)
     except Exception:
         logger.exception("unexpected error (a bug: please report it with this traceback)")
         return EXIT_BUG

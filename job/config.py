@@ -27,6 +27,7 @@ class TrainConfig:
     log_interval: int
     num_workers: int
     sharded: bool = False  # FSDP2: parameters and optimizer state sharded across ranks
+    tensorboard: bool = True  # training curves as TensorBoard event files in the save folder (job.curves)
 
     def __post_init__(self) -> None:
         if self.max_duration.unit == TimeUnit.DURATION:

@@ -40,3 +40,18 @@ class CheckpointLoadError(JobError):
 
 class CheckpointWriteError(JobError):
     exit_code = EXIT_WRITE_FAILED
+
+
+def exit_code_for(error: BaseException) -> int:
+    """The documented exit code the CLI gives ``error`` (job.cli.run), for records kept before it exits."""
+    from state import PrecisionError
+    from uploader.cli import exit_code as storage_exit_code
+    from uploader.exceptions import UploaderError
+
+    if isinstance(error, JobError):
+        return error.exit_code
+    if isinstance(error, UploaderError):
+        return storage_exit_code(error)
+    if isinstance(error, PrecisionError):
+        return EXIT_USAGE
+    return EXIT_BUG

@@ -7,21 +7,61 @@ written as ``http://user:secret@host`` must not reach a log, whichever library's
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
+import threading
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from uploader.redact import redact_text
 
 _RESERVED = {"event", "fields"}
 
+Listener = Callable[[str, dict[str, Any]], None]
+_listeners: list[Listener] = []
+_listeners_lock = threading.Lock()
+
 
 def event(logger: logging.Logger, name: str, level: int = logging.INFO, **fields: Any) -> None:
-    """Log a structured event (``{"event": name, **fields}`` in JSON mode)."""
+    """Log a structured event (``{"event": name, **fields}`` in JSON mode) and hand it to the listeners."""
+    with _listeners_lock:
+        listeners = list(_listeners)
+    for listener in listeners:  # first: whoever reads the log line finds the records already updated
+        listener(name, fields)
     text = " ".join(f"{k}={_short(v)}" for k, v in fields.items())
     logger.log(level, "%s %s", name, text, extra={"event": name, "fields": fields})
+
+
+def subscribe(listener: Listener) -> Callable[[], None]:
+    """Call ``listener(name, fields)`` for every event from now on, from whichever thread emits it; returns
+    the function that stops it.
+
+    The run's records (job.ledger, job.curves) are built from the same events as the log, but must not
+    depend on ``--log-level``: a listener sees every event, whatever reaches the log. A listener must be
+    quick and must not raise (it runs on the training thread and on the writer threads).
+    """
+    with _listeners_lock:
+        _listeners.append(listener)
+
+    def unsubscribe() -> None:
+        with _listeners_lock:
+            if listener in _listeners:
+                _listeners.remove(listener)
+
+    return unsubscribe
+
+
+@contextlib.contextmanager
+def listening(listener: Listener) -> Iterator[None]:
+    """:func:`subscribe` for the duration of a block."""
+    unsubscribe = subscribe(listener)
+    try:
+        yield
+    finally:
+        unsubscribe()
 
 
 def _short(value: Any) -> str:

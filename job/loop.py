@@ -83,6 +83,7 @@ class Trainer:
             self.run.sampler.set_epoch(epoch, start)
             stepped = 0
             for batch in islice(state.train_dataloader, state.steps_per_epoch - start):
+                lr = state.optimizers[0].param_groups[0]["lr"]  # this step's (the schedulers move it after)
                 loss = self.train_step(to_device(batch, self.run.device))
                 stepped += 1
                 window_samples += _batch_size(batch)
@@ -92,7 +93,8 @@ class Trainer:
                 if state.timer.batch.value % self.log_interval == 0:
                     elapsed = time.perf_counter() - window_start
                     event(logger, "progress", step=state.timer.batch.value, epoch=state.timer.epoch.value,
-                          loss=round(loss.item(), 6), samples_per_sec=round(window_samples / max(elapsed, 1e-9), 1))
+                          loss=round(loss.item(), 6), samples_per_sec=round(window_samples / max(elapsed, 1e-9), 1),
+                          lr=float(f"{float(lr):.6g}"))
                     window_start, window_samples = time.perf_counter(), 0
                 if self.eval_interval.due(state.timer, epoch_ended, time.monotonic() - self._last_eval) or self.done():
                     self.evaluate()

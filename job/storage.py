@@ -9,16 +9,19 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from collections.abc import Collection
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
+from job.logs import event
 from uploader.config import UploadConfig
 from uploader.exceptions import TransientStorageError
 from uploader.local import LocalCheckpoint, is_node_part, list_committed
 from uploader.probe import check_writable
 from uploader.remote import Remote, check_url, open_remote
+from uploader.runlog import RunlogMirror
 from uploader.manifest import Manifest
 from uploader.sync import (
     list_remote,
@@ -56,16 +59,21 @@ class RemoteConfig:
                 raise ValueError(f"--remote: {e}") from None
 
 
+def _uploaded(ckpt: LocalCheckpoint, seconds: float) -> None:
+    event(logger, "uploaded", step=ckpt.step, seconds=round(seconds, 3))
+
+
 class RemoteStore:
     """One remote, opened once; owns the background uploader when uploading in-process."""
 
-    def __init__(self, cfg: RemoteConfig) -> None:
+    def __init__(self, cfg: RemoteConfig, folder: Path) -> None:
         assert cfg.url is not None
         self.url = cfg.url
         self.final_upload_timeout = cfg.final_upload_timeout
         self._writes = cfg.mode != "off"  # --upload off: this job never changes the bucket
         self.remote: Remote = open_remote(cfg.url, cfg.upload)
-        self.uploader = BackgroundUploader(self.remote, cfg.upload.keep) if cfg.mode == "inprocess" else None
+        self.uploader = (BackgroundUploader(self.remote, cfg.upload.keep, runlog=RunlogMirror(folder, self.remote),
+                                            on_uploaded=_uploaded) if cfg.mode == "inprocess" else None)
         self._pull: threading.Thread | None = None
         self._abort_pull = threading.Event()
 
@@ -121,8 +129,12 @@ class RemoteStore:
         pulled: Future[LocalCheckpoint | None] = Future()
 
         def run() -> None:
+            began = time.monotonic()
             try:
-                pulled.set_result(self.pull_if_newer(folder))
+                found = self.pull_if_newer(folder)
+                if found is not None:
+                    event(logger, "pulled", step=found.step, seconds=round(time.monotonic() - began, 3))
+                pulled.set_result(found)
             except BaseException as e:  # noqa: BLE001 - handed over through the future
                 pulled.set_exception(e)
 
@@ -144,6 +156,11 @@ class RemoteStore:
     def submit(self, ckpt: LocalCheckpoint) -> None:
         if self.uploader is not None:
             self.uploader.submit(ckpt)
+
+    def sync_runlog(self) -> None:
+        """Upload the run log (ledger, curves) in the background now; with a sidecar, the sidecar does."""
+        if self.uploader is not None:
+            self.uploader.sync_runlog()
 
     def check(self) -> None:
         """Re-raise a failure that retrying cannot fix (AuthError, BucketNotFound) in the training thread,

@@ -206,6 +206,9 @@ def test_a_checkpoint_from_a_newer_build_is_refused_not_trained_over(tmp_path):
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("job: error: checkpoint ") and "format_version 99" in last and "upgrade spot-trainer" in last
     assert checkpoints_of(folder) == before
+    # The refused start is a life of the run all the same, ended with the exit code the CLI gave it.
+    ends = [json.loads(p.read_text())["end"] for p in sorted((folder / "runlog" / "ledger").glob("life-*.json"))]
+    assert [(e["how"], e["exit_code"]) for e in ends] == [("finished", 0), ("failed", 6)]
 
 
 def test_a_checkpoint_of_another_model_says_what_differs_and_what_to_do(tmp_path):

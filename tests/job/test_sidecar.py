@@ -1,13 +1,14 @@
 """The job and `uploader watch` as two real processes sharing a folder, stopped in both orders."""
 from __future__ import annotations
 
+import json
 import signal
 import sys
 
 import pytest
 
 from tests.job.test_remote import remote_steps
-from tests.support.jobs import s3_job_env
+from tests.support.jobs import run_job, s3_job_env
 
 pytestmark = [pytest.mark.s3, pytest.mark.slow]
 
@@ -37,3 +38,8 @@ def test_final_checkpoint_reaches_the_bucket_whatever_the_signal_order(spawn, tm
     preempted = job.wait_event("preempted")
     assert preempted["checkpoint_step"] == preempted["step"]
     assert max(remote_steps(s3_bucket)) == preempted["step"]
+    # The sidecar uploads the run log too: the job's life, ended by the preemption, is in the bucket.
+    done = run_job("report", remote, "--format", "json", env=env)
+    assert done.returncode == 0, done.stderr
+    (life,) = json.loads(done.stdout)["lives"]
+    assert (life["end"], life["last_step"]) == ("preempted", preempted["step"])

@@ -1,6 +1,7 @@
 """`job train` under torchrun: two CPU processes (gloo), killed and restarted like one."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -10,6 +11,7 @@ import pytest
 from tests.support.jobs import JobProcess, inspect, job_env
 from tests.support.polling import wait_until
 from tests.support.procs import worker_of_rank
+from uploader.runlog import LEDGER_DIR
 
 pytestmark = pytest.mark.slow
 
@@ -62,6 +64,10 @@ def test_sigterm_stops_both_ranks_at_the_same_step_with_a_final_checkpoint(spawn
     restarted = spawn(argv=torchrun() + ["--save-folder", str(folder)], env=job_env())
     assert restarted.wait(timeout=300) == 0, restarted.stderr[-3000:]
     assert inspect(folder)["model_sha256"] == uninterrupted["model_sha256"]
+    # Rank 0 alone keeps the ledger: one record per life, not one per rank.
+    lives = sorted((json.loads(p.read_text()) for p in (folder / LEDGER_DIR).glob("*.json")), key=lambda r: r["started"])
+    assert [(r["world_size"], r["end"]["how"]) for r in lives] == [(2, "preempted"), (2, "finished")]
+    assert lives[1]["start"]["from_step"] == preempted["step"]
 
 
 def test_elastic_restart_after_one_rank_is_killed_completes(spawn, tmp_path, uninterrupted):

@@ -60,8 +60,9 @@ def files_of(ckpt_path: Path) -> dict[str, bytes]:
 
 
 def checkpoints_of(folder: Path) -> dict[str, bytes]:
-    """Like files_of, for a folder of checkpoints, without the FINISHED marker (each run rewrites it)."""
-    return {k: v for k, v in files_of(folder).items() if k != FINISHED_NAME}
+    """Like files_of, for a folder of checkpoints, without the FINISHED marker (each run rewrites it) and
+    the run log (each start adds its life's record: uploader.runlog)."""
+    return {k: v for k, v in files_of(folder).items() if k != FINISHED_NAME and not k.startswith("runlog/")}
 
 
 def data_files_of(ckpt_path: Path) -> dict[str, bytes]:
