@@ -6,7 +6,7 @@ import pytest
 from uploader.config import MAX_PARTS, MiB, UploadConfig
 from uploader.filesystem import FileRemote
 from uploader.remote import check_url, open_remote
-from uploader.s3 import S3Remote, part_size_for
+from uploader.s3 import S3Remote, make_client, part_size_for
 
 
 @pytest.mark.parametrize(
@@ -59,3 +59,29 @@ def test_open_remote_refuses_other_urls(url: str) -> None:
                                                 (16 * MiB * MAX_PARTS + 1, 17 * MiB)])
 def test_part_size_grows_only_past_the_part_count_limit(size: int, expected: int) -> None:
     assert part_size_for(size, 16 * MiB) == expected
+
+
+@pytest.mark.parametrize(("endpoint", "signed"), [("https://s3.example.test", False), ("http://127.0.0.1:9", True)])
+def test_bodies_are_sha256_signed_only_where_tls_does_not_protect_them(
+        endpoint: str, signed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the client puts on the wire, caught before it is sent (nothing listens at these endpoints)."""
+    import hashlib
+
+    for name, value in {"AWS_ACCESS_KEY_ID": "AKIDTEST", "AWS_SECRET_ACCESS_KEY": "secret",
+                        "AWS_CONFIG_FILE": "/nonexistent", "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent"}.items():
+        monkeypatch.setenv(name, value)
+    client = make_client(UploadConfig(endpoint_url=endpoint, region="us-east-1", addressing="path"))
+    sent: list[str] = []
+
+    class Caught(Exception):
+        pass
+
+    def capture(request, **_: object) -> None:
+        sent.append(request.headers["X-Amz-Content-SHA256"].decode())
+        raise Caught
+
+    client.meta.events.register("before-send.s3.UploadPart", capture)
+    body = b"part of a checkpoint" * 1000
+    with pytest.raises(Caught):
+        client.upload_part(Bucket="b", Key="k", UploadId="u", PartNumber=1, Body=body)
+    assert sent == [hashlib.sha256(body).hexdigest() if signed else "UNSIGNED-PAYLOAD"]
