@@ -56,6 +56,7 @@ class Life:
     how: str  # fresh, resumed_local, resumed_remote
     from_step: int
     built_at: float | None
+    pull_s: float | None  # the bucket download, in the background while the model was built
     restored_at: float | None
     first_step_at: float | None
     checkpoints: tuple[Checkpoint, ...]
@@ -122,6 +123,7 @@ def parse_life(raw: bytes) -> Life:
     return Life(
         life=life, host=_str(doc, "host", 256), world_size=_count(doc, "world_size"), started=started, how=how,
         from_step=_count(start, "from_step"), built_at=_time_or_none(startup, "built_at"),
+        pull_s=_seconds(startup, "pull_s"),
         restored_at=_time_or_none(startup, "restored_at"), first_step_at=_time_or_none(startup, "first_step_at"),
         checkpoints=checkpoints, last_step=_count(doc, "last_step"), last_seen=last_seen, end=how_end,
         end_at=end_at, exit_code=code, reason=(reason or "")[:200] or None, final_save_s=min(final, end_at - started),

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from job.exceptions import exit_code_for
+from job.exceptions import EXIT_USAGE, exit_code_for
 from job.goodput import FORMAT_VERSION, KIND, Life, previous_life
 from job.logs import subscribe
 from uploader.remote import Remote
@@ -48,8 +48,8 @@ class Ledger:
     """This life's record; a listener of the job's events (``job.logs.listening(ledger)``).
 
     The record is written once the model is built (a start refused for a bad flag leaves no trace) and
-    then after every event that changes it; ``on_written`` (RemoteStore.sync_runlog) is called after the
-    writes that matter to someone reading the bucket: the start, and the end.
+    then after every event that changes it; ``on_written`` (RemoteStore.sync_runlog) is called once the
+    first step starts, so that even a life killed before its first checkpoint is in the bucket.
     """
 
     def __init__(self, folder: Path, world_size: int, previous: Callable[[str], Life | None] | None = None,
@@ -64,6 +64,7 @@ class Ledger:
         self._broken = False
         self._stop_at: float | None = None
         self._unsubscribe: Callable[[], None] = lambda: None
+        self._made: list[Path] = []  # folders created for the record, outermost first
         self.record: dict[str, Any] = {
             "format_version": FORMAT_VERSION, "kind": KIND, "life": self.life, "host": socket.gethostname(),
             "world_size": world_size, "started": round(started, 3), "start": {"how": "fresh", "from_step": 0},
@@ -99,19 +100,32 @@ class Ledger:
             if changed and self._writing:
                 self.record["last_seen"] = round(now, 3)
                 self._write()
-        if changed and name in ("start", "finished", "preempted") and self._on_written is not None:
-            self._on_written()
+        if changed and name == "start" and self._on_written is not None:
+            self._on_written()  # the life is in the bucket from its first step; its end goes up at close
 
     def failed(self, error: BaseException) -> None:
-        """The life ends with ``error`` (job.app, on its way out), under the exit code the CLI will give it."""
+        """The life ends with ``error`` (job.app, on its way out), under the exit code the CLI will give it.
+
+        A start refused for its flags (exit 2) before its first step leaves no trace, as everywhere in the
+        job: its record, if written, is removed. Nothing is uploaded from here: the storage may be what
+        failed, and the uploader's close takes the record up when it still can."""
+        code = exit_code_for(error)
         with self._lock:
-            if self.record["end"] is None:
-                self.record["end"] = {"how": "failed", "at": round(time.time(), 3), "exit_code": exit_code_for(error),
-                                      "error": f"{type(error).__name__}: {error}"[:500], "step": self.record["last_step"]}
-                if self._writing:
-                    self._write()
-        if self._on_written is not None:
-            self._on_written()
+            if self.record["end"] is not None:
+                return
+            if code == EXIT_USAGE and "first_step_at" not in self.record["startup"]:
+                self._broken = True
+                self.path.unlink(missing_ok=True)
+                for made in reversed(self._made):  # the folders the record needed, innermost first
+                    try:
+                        made.rmdir()
+                    except OSError:
+                        break  # not empty: someone else's now
+                return
+            self.record["end"] = {"how": "failed", "at": round(time.time(), 3), "exit_code": code,
+                                  "error": f"{type(error).__name__}: {error}"[:500], "step": self.record["last_step"]}
+            if self._writing:
+                self._write()
 
     def _apply(self, name: str, f: dict[str, Any], now: float) -> bool:
         r = self.record
@@ -120,7 +134,7 @@ class Ledger:
             startup["built_at"] = round(now, 3)
             self._writing = True
             return True
-        if name == "pulled" and "node" not in f:  # the pull that overlaps the build (job.storage)
+        if name == "resume_pulled":  # the pull that overlaps the build (job.storage)
             startup["pull_s"] = f.get("seconds")
             return True
         if name == "resumed":
@@ -185,6 +199,8 @@ class Ledger:
             return
         tmp = self.path.with_name(f".{self.path.name}.tmp")
         try:
+            if not self._made and not self.path.parent.is_dir():
+                self._made = [d for d in reversed(self.path.parent.parents) if not d.exists()] + [self.path.parent]
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp.write_text(json.dumps(self.record, indent=1))
             os.replace(tmp, self.path)

@@ -127,7 +127,16 @@ def _svg(width: int, height: int, parts: list[str]) -> str:
 def _life_json(life: Life) -> dict[str, Any]:
     doc = asdict(life)
     doc["checkpoints"] = len(life.checkpoints)
+    # Start-up split: building (process start to model built), the pull (alongside the build), and the
+    # restore the first step waited for after the build (the rest of the pull, then loading).
+    doc["startup"] = {"build_s": _span(life.started, life.built_at), "pull_s": life.pull_s,
+                      "load_s": _span(life.built_at, life.restored_at) if life.how != "fresh" else None,
+                      "first_step_s": _span(life.started, life.first_step_at)}
     return doc
+
+
+def _span(start: float | None, end: float | None) -> float | None:
+    return round(end - start, 3) if start is not None and end is not None else None
 
 
 def _rounded(seconds: dict[str, float]) -> dict[str, float]:

@@ -133,7 +133,7 @@ class RemoteStore:
             try:
                 found = self.pull_if_newer(folder)
                 if found is not None:
-                    event(logger, "pulled", step=found.step, seconds=round(time.monotonic() - began, 3))
+                    event(logger, "resume_pulled", step=found.step, seconds=round(time.monotonic() - began, 3))
                 pulled.set_result(found)
             except BaseException as e:  # noqa: BLE001 - handed over through the future
                 pulled.set_exception(e)

@@ -110,8 +110,9 @@ class BackgroundUploader:
                 self._cond.notify_all()
             self._thread.join()
         # The last records (a life's end) after the last checkpoint: a few KiB, and the checkpoints came first.
-        # Not after a failure retrying cannot fix (AuthError, BucketNotFound): it would only fail again.
-        if not self._fatal:
+        # Only while the storage works: after a failed or aborted upload, one more operation could only
+        # spend its whole retry budget on the way out (the next life uploads the records).
+        if self._error is None:
             self._mirror_runlog()
         with self._cond:
             return self._queued is None and self._error is None

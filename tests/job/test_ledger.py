@@ -10,7 +10,7 @@ import pytest
 
 from job.goodput import BadRecord, costs, parse_life, summary
 from tests.support.jobs import events, run_job, s3_job_env
-from tests.support.s3server import fast_config
+from tests.support.s3server import READER, fast_config
 from tests.support.tensorboard import read_scalars, steps
 from uploader.remote import open_remote
 from uploader.runlog import LEDGER_DIR
@@ -62,12 +62,16 @@ def test_a_run_preempted_by_sigterm_then_sigkill_then_finished(spawn, tmp_path, 
     assert any(c.get("upload_s") is not None for c in one["checkpoints"])
 
     # Uploaded like the checkpoints: the bucket's ledger is the folder's, the killed life's included.
-    report = run_job("report", remote, "--format", "json", "--plot", str(tmp_path / "lives.svg"), env=env)
+    report = run_job("report", remote, "--format", "json", "--plot", str(tmp_path / "lives.svg"),
+                     env=s3_job_env(s3_bucket, READER))  # read-only credentials are enough
     assert report.returncode == 0, report.stderr
     doc = json.loads(report.stdout)
     assert [life["life"] for life in doc["lives"]] == [one["life"], two["life"], three["life"]]
     assert [life["end"] for life in doc["lives"]] == ["preempted", "killed", "finished"]
     assert [life["lost_steps"] for life in doc["lives"]] == [0, two["last_step"] - kept, 0]
+    startups = [life["startup"] for life in doc["lives"]]
+    assert all(s["build_s"] > 0 and s["first_step_s"] >= s["build_s"] for s in startups)
+    assert startups[0]["load_s"] is None and all(s["load_s"] >= 0 for s in startups[1:])
     assert doc["skipped"] == []
     seconds, wall = doc["goodput"]["seconds"], doc["goodput"]["wall_s"]
     assert seconds["lost_progress"] > 0 and seconds["productive"] > 0 and seconds["startup"] > 0
