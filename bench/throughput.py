@@ -1,4 +1,4 @@
-"""Training throughput with a checkpoint every ``--interval`` vs. none: the overhead should be < 1 %.
+"""Training throughput with a checkpoint every ``--interval`` vs. none: the overhead should be < 0.5 %.
 
 Each arm is the real ``job.app.train`` (build, CheckpointCadence, Checkpointer.save_async, the
 background writer) with local checkpoints, no remote. A run is stopped after ``--duration`` seconds
@@ -9,7 +9,8 @@ The cadence clock starts before the window, so a 100 s window holds the checkpoi
 (1 - ckpt/none) and reported as the median.
 
 The stall of each checkpoint is read from the same timestamps: the step that took the checkpoint
-lasts longer than the median step by about the stall (save_async runs in after_step). What remains
+and the one after it last longer than the median step by about the stall (save_async runs in
+after_step; with the pipelined snapshot, the next step's optimizer update may wait for the copy). What remains
 of the overhead is the background write competing with training for the CPUs.
 """
 from __future__ import annotations
@@ -29,7 +30,7 @@ from bench.common import (add_threads_option, apply_threads, interleaved, listen
 from bench.models import FOREVER, SIZES, bench_config
 from job.signals import StopRequest
 
-OVERHEAD_TARGET_PERCENT = 1.0
+OVERHEAD_TARGET_PERCENT = 0.5  # issue 19 (issue 5 asked for 1 %)
 
 
 class WindowStop(StopRequest):
@@ -79,7 +80,7 @@ class Arm:
     cpu_per_step: float
     steps: int
     checkpoints: int = 0
-    stalls: list[float] = field(default_factory=list)  # extra time of the steps that took a checkpoint
+    stalls: list[float] = field(default_factory=list)  # extra time of the step that took one and the next
     writes: list[float] = field(default_factory=list)  # background write seconds
     excess: float = 0.0  # extra seconds of the steps during checkpoints, vs. the steps just before
 
@@ -106,7 +107,8 @@ def run_arm(cfg: Any, interval: str, duration: float, folder: Path) -> Arm:
     inside = [e for e in handler.events if first < e["step"] <= last and e["step"] in durations]
     return Arm(
         steps_per_s=(last - first) / (t1 - t0), cpu_per_step=(c1 - c0) / (last - first), steps=last - first,
-        checkpoints=len(inside), stalls=[durations[e["step"]] - typical for e in inside],
+        checkpoints=len(inside),
+        stalls=[sum(durations.get(s, typical) - typical for s in (e["step"], e["step"] + 1)) for e in inside],
         writes=[float(e["seconds"]) for e in inside],
         excess=sum(_excess(durations, ends, e["step"], float(e["seconds"])) for e in inside),
     )
@@ -162,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
               + ", ".join(f"{a.cpu_per_step * 1e3:.1f}" for a in arms)
               + (f"; {sum(a.checkpoints for a in arms)} checkpoints in the windows" if name == "ckpt" else ""))
     if stalls:
-        print(f"per checkpoint: loop stall (extra time of the step that took it) median {median(stalls) * 1e3:.0f} ms, "
+        print(f"per checkpoint: loop stall (extra time of the step that took it and the next) "
+              f"median {median(stalls) * 1e3:.0f} ms, "
               f"background write median {median(writes):.2f} s")
     print("overhead per round: steps/s " + ", ".join(f"{o:+.2f} %" for o in wall) + "; CPU per step "
           + ", ".join(f"{o:+.2f} %" for o in cpu) + "; in-run (steps around checkpoints vs. just before) "

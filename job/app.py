@@ -208,7 +208,8 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
     node_uploads = cfg.sharded and distributed.nodes() > 1 and distributed.node_leader()
     if leader or node_uploads:
         claim_folder(ckpt_cfg.folder)
-    store = RemoteStore(remote_cfg, ckpt_cfg.folder) if (leader or node_uploads) and remote_cfg is not None and remote_cfg.url else None
+    store = (RemoteStore(remote_cfg, ckpt_cfg.folder)
+             if (leader or node_uploads) and remote_cfg is not None and remote_cfg.url else None)
     # The newest remote checkpoint downloads while the model is built: a resume waits for the larger one.
     # Sharded on several nodes, each node downloads later, once the model says what its ranks read (job.node_pull).
     pulling = (store.start_pull(ckpt_cfg.folder) if store is not None and ckpt_cfg.resume == "auto"
