@@ -60,6 +60,8 @@ class Life:
     restored_at: float | None
     first_step_at: float | None
     checkpoints: tuple[Checkpoint, ...]
+    checkpoints_dropped: int  # older checkpoints the record only sums up (job.ledger.MAX_CHECKPOINTS)
+    dropped_stall_s: float
     last_step: int
     last_seen: float
     end: str  # finished, preempted, failed, killed (no end recorded)
@@ -106,6 +108,11 @@ def parse_life(raw: bytes) -> Life:
     checkpoints = tuple(Checkpoint(step=_count(c, "step"), at=_time(c, "at"), stall_s=_seconds(c, "stall_s") or 0.0,
                                    write_s=_seconds(c, "write_s"), upload_s=_seconds(c, "upload_s"))
                         for c in (_as_dict(c, "checkpoint") for c in raw_ckpts))
+    dropped = doc.get("checkpoints_dropped")
+    dropped_count, dropped_stall = 0, 0.0
+    if dropped is not None:
+        dropped = _as_dict(dropped, "checkpoints_dropped")
+        dropped_count, dropped_stall = _count(dropped, "count"), _seconds(dropped, "stall_s") or 0.0
     last_seen = _time(doc, "last_seen")
     end = doc.get("end")
     if end is None:
@@ -125,7 +132,8 @@ def parse_life(raw: bytes) -> Life:
         from_step=_count(start, "from_step"), built_at=_time_or_none(startup, "built_at"),
         pull_s=_seconds(startup, "pull_s"),
         restored_at=_time_or_none(startup, "restored_at"), first_step_at=_time_or_none(startup, "first_step_at"),
-        checkpoints=checkpoints, last_step=_count(doc, "last_step"), last_seen=last_seen, end=how_end,
+        checkpoints=checkpoints, checkpoints_dropped=dropped_count, dropped_stall_s=dropped_stall,
+        last_step=_count(doc, "last_step"), last_seen=last_seen, end=how_end,
         end_at=end_at, exit_code=code, reason=(reason or "")[:200] or None, final_save_s=min(final, end_at - started),
     )
 
@@ -148,7 +156,8 @@ def costs(lives: list[Life]) -> list[LifeCost]:
         training = max(0.0, life.end_at - first - life.final_save_s)
         s["preemption_save"] = life.end_at - first - training
         saves_until = life.end_at - life.final_save_s
-        s["checkpoint_stall"] = min(training, sum(c.stall_s for c in life.checkpoints if c.at <= saves_until))
+        s["checkpoint_stall"] = min(training, life.dropped_stall_s
+                                    + sum(c.stall_s for c in life.checkpoints if c.at <= saves_until))
         if nxt is not None:
             cost.lost_steps = max(0, life.last_step - nxt.from_step)
         elif life.end != "finished":

@@ -32,6 +32,10 @@ from uploader.runlog import LEDGER_DIR
 
 logger = logging.getLogger(__name__)
 
+# The newest checkpoints a record lists one by one (~110 bytes each); older ones are summed up, so a
+# life of months still fits goodput's 1 MiB limit on a record and is cheap to rewrite.
+MAX_CHECKPOINTS = 2000
+
 def process_start_time() -> float:
     """When this process started (Linux: /proc), so that start-up includes the interpreter and imports;
     elsewhere, now. Its age is measured on the boot-time clock /proc counts in, then subtracted from
@@ -147,7 +151,8 @@ class Ledger:
         if name == "start":
             startup["first_step_at"] = round(now, 3)
             r["last_step"] = int(f.get("step", 0))
-            r["previous"] = self._previous_life()
+            # Reading the earlier lives may mean the bucket: never on the training thread's way.
+            threading.Thread(target=self._find_previous, name="ledger-previous", daemon=True).start()
             return True
         if name in ("progress", "eval"):
             r["last_step"] = max(r["last_step"], int(f.get("step", 0)))
@@ -155,6 +160,11 @@ class Ledger:
         if name == "checkpoint":
             r["checkpoints"].append({"step": f.get("step"), "at": round(now, 3), "stall_s": f.get("stall"),
                                      "write_s": f.get("seconds")})
+            if len(r["checkpoints"]) > MAX_CHECKPOINTS:  # a record stays small: older ones only as a sum
+                oldest = r["checkpoints"].pop(0)
+                dropped = r.setdefault("checkpoints_dropped", {"count": 0, "stall_s": 0.0})
+                dropped["count"] += 1
+                dropped["stall_s"] = round(dropped["stall_s"] + (oldest.get("stall_s") or 0.0), 3)
             r["last_step"] = max(r["last_step"], int(f.get("step", 0)))
             return True
         if name == "uploaded":
@@ -177,6 +187,14 @@ class Ledger:
             r["last_step"] = max(r["last_step"], int(f.get("step", 0)))
             return True
         return False
+
+    def _find_previous(self) -> None:
+        previous = self._previous_life()
+        if previous is not None:
+            with self._lock:
+                self.record["previous"] = previous
+                if self._writing:
+                    self._write()
 
     def _previous_life(self) -> dict[str, Any] | None:
         """What the life before this one trained and lost: known only now, from its record."""

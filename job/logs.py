@@ -19,6 +19,7 @@ from typing import Any
 from uploader.redact import redact_text
 
 _RESERVED = {"event", "fields"}
+_log = logging.getLogger(__name__)
 
 Listener = Callable[[str, dict[str, Any]], None]
 _listeners: list[Listener] = []
@@ -30,7 +31,10 @@ def event(logger: logging.Logger, name: str, level: int = logging.INFO, **fields
     with _listeners_lock:
         listeners = list(_listeners)
     for listener in listeners:  # first: whoever reads the log line finds the records already updated
-        listener(name, fields)
+        try:
+            listener(name, fields)
+        except Exception:  # noqa: BLE001 - a record is never a reason to stop training
+            _log.warning("a listener of the job's events failed on %r; training goes on", name, exc_info=True)
     text = " ".join(f"{k}={_short(v)}" for k, v in fields.items())
     logger.log(level, "%s %s", name, text, extra={"event": name, "fields": fields})
 

@@ -172,3 +172,41 @@ def test_a_report_without_a_ledger_or_with_a_bad_plot_name_is_a_usage_error(tmp_
     assert done.returncode == 2 and "no ledger" in done.stderr
     done = run_job("report", str(tmp_path), "--plot", str(tmp_path / "x.pdf"))
     assert done.returncode == 2 and "--plot" in done.stderr
+
+
+def test_a_long_life_keeps_its_record_small_and_its_stall_whole(tmp_path) -> None:
+    from job.ledger import MAX_CHECKPOINTS, Ledger
+
+    ledger = Ledger(tmp_path, world_size=1, started=1_796_000_000.0)
+    ledger("built", {})
+    ledger("start", {"step": 0})
+    for step in range(1, MAX_CHECKPOINTS + 501):
+        ledger("checkpoint", {"step": step, "stall": 0.01, "seconds": 0.5})
+    ledger("finished", {"step": MAX_CHECKPOINTS + 500})
+    record = json.loads(ledger.path.read_text())
+    assert len(record["checkpoints"]) == MAX_CHECKPOINTS and record["checkpoints"][0]["step"] == 501
+    assert record["checkpoints_dropped"] == {"count": 500, "stall_s": pytest.approx(5.0)}
+    life = parse_life(ledger.path.read_bytes())
+    assert (life.checkpoints_dropped, life.dropped_stall_s) == (500, pytest.approx(5.0))
+    # Stretched to a 1000 s life (in-process the loop took milliseconds), every stall counts, dropped or not.
+    record["startup"]["first_step_at"], record["end"]["at"] = 1_796_000_001.0, 1_796_001_001.0
+    record["last_seen"] = record["end"]["at"]
+    record["checkpoints"] = [{**c, "at": 1_796_000_500.0} for c in record["checkpoints"]]
+    (cost,) = costs([parse_life(json.dumps(record).encode())])
+    assert cost.seconds["checkpoint_stall"] == pytest.approx(25.0)
+
+
+def test_a_failing_listener_never_stops_the_event(caplog) -> None:
+    import logging
+
+    from job.logs import event, listening
+
+    seen = []
+
+    def broken(name: str, fields: dict) -> None:
+        raise KeyError("a bug in a record")
+
+    with listening(broken), listening(lambda name, fields: seen.append(name)):
+        event(logging.getLogger("test"), "progress", step=1)
+    assert seen == ["progress"]
+    assert "a listener of the job's events failed on 'progress'" in caplog.text
