@@ -27,10 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from job.logs import listening
+from uploader.runlog import RUNLOG_DIR
 
 logger = logging.getLogger(__name__)
 
-TENSORBOARD_DIR = Path("runlog") / "tensorboard"  # relative to the save folder
+TENSORBOARD_DIR = Path(RUNLOG_DIR) / "tensorboard"  # relative to the save folder (uploader.runlog)
 
 
 class _Curves:

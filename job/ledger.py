@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from job.exceptions import EXIT_USAGE, exit_code_for
+from job.exceptions import EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE, exit_code_for
 from job.goodput import FORMAT_VERSION, KIND, Life, previous_life
 from job.logs import subscribe
 from uploader.remote import Remote
@@ -177,13 +177,13 @@ class Ledger:
             self._stop_at = now
             return False
         if name == "preempted":
-            r["end"] = {"how": "preempted", "at": round(now, 3), "exit_code": 75, "reason": f.get("reason"),
+            r["end"] = {"how": "preempted", "at": round(now, 3), "exit_code": EXIT_PREEMPTED, "reason": f.get("reason"),
                         "step": f.get("step"), "checkpoint_step": f.get("checkpoint_step"),
                         "final_save_s": round(now - self._stop_at, 3) if self._stop_at is not None else None}
             r["last_step"] = max(r["last_step"], int(f.get("step") or 0))
             return True
         if name == "finished":
-            r["end"] = {"how": "finished", "at": round(now, 3), "exit_code": 0, "step": f.get("step")}
+            r["end"] = {"how": "finished", "at": round(now, 3), "exit_code": EXIT_OK, "step": f.get("step")}
             r["last_step"] = max(r["last_step"], int(f.get("step", 0)))
             return True
         return False

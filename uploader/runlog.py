@@ -74,6 +74,15 @@ class RunlogMirror:
             logger.debug("run log: %d file(s) uploaded to %s", uploaded, self.remote.url)
         return uploaded
 
+    def sync_or_warn(self) -> None:
+        """:meth:`sync` for callers that upload checkpoints: the run log is a record, not state, so a
+        failure never fails a checkpoint or the job; it is logged, and the next sync tries again."""
+        try:
+            self.sync()
+        except Exception as e:  # noqa: BLE001 - logged; the next checkpoint tries again
+            logger.warning("run log not uploaded to %s: %s; trying again after the next checkpoint",
+                           self.remote.url, e)
+
     def _already_remote(self, files: list[tuple[str, Path, _Seen]]) -> dict[str, _Seen]:
         """Files whose remote copy is the local one. Append-only files (TensorBoard's) are compared by
         size; small ones, which their writer rewrites in place (a ledger record keeps its size when a

@@ -89,7 +89,7 @@ def _loop(
     grace: float,
 ) -> WatchOutcome:
     started = time.time()
-    runlog = RunlogMirror(folder, remote)
+    runlog = RunlogMirror(folder, remote)  # the ledger and curves, after each checkpoint and at the end
     uploaded: tuple[int, int, int] | None = None  # (step, manifest inode, manifest mtime) last pushed
     given_up: set[tuple[int, int, int]] = set()  # local checkpoints that do not verify: not retried
     announced_stop = False
@@ -116,29 +116,20 @@ def _loop(
                     f"{remote.url}; the remote keeps its previous complete checkpoint"
                 ) from None
             uploaded = identity
-            _mirror(runlog)
+            runlog.sync_or_warn()
             continue  # look again at once: a newer checkpoint may have been committed meanwhile
         marker = finished_marker(folder)
         if marker is not None and (stop.is_set() or marker.mtime >= started):
             if uploaded is not None and uploaded[0] >= marker.step or not list_committed(folder):
                 logger.info("the job ended (%s) at step %d and it is uploaded; exiting", marker.reason, marker.step)
-                _mirror(runlog)
+                runlog.sync_or_warn()
                 return WatchOutcome.FINISHED
         if stop.is_set() and abort.is_set():
             logger.warning("the grace period ended before the job marked %s finished; everything committed "
                            "is uploaded; exiting", folder)
-            _mirror(runlog)
+            runlog.sync_or_warn()
             return WatchOutcome.STOPPED
         (abort if stop.is_set() else stop).wait(poll_interval)
-
-
-def _mirror(runlog: RunlogMirror) -> None:
-    """The run log (ledger, curves) after each checkpoint and at the end; a record, not state, so a
-    failure is only logged (uploader.worker does the same in-process)."""
-    try:
-        runlog.sync()
-    except Exception as e:  # noqa: BLE001 - logged; the next checkpoint tries again
-        logger.warning("run log not uploaded to %s: %s", runlog.remote.url, e)
 
 
 def _pending(

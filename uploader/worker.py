@@ -130,16 +130,15 @@ class BackgroundUploader:
                 ckpt = self._queued
                 runlog_only = ckpt is None and self._runlog_due and not self._closing
                 self._runlog_due = False
-            if runlog_only:
+                if ckpt is None and not runlog_only:  # closing with nothing queued
+                    return
+                if ckpt is not None:
+                    self._queued = None
+                    self._current = ckpt
+                    self._busy = True
+            if ckpt is None:  # only the run log asked for (sync_runlog)
                 self._mirror_runlog()
                 continue
-            with self._cond:
-                ckpt = self._queued
-                if ckpt is None:  # closing with nothing queued
-                    return
-                self._queued = None
-                self._current = ckpt
-                self._busy = True
             began = time.monotonic()
             try:
                 push(ckpt, self._remote, self._keep, abort=self._abort)
@@ -160,15 +159,8 @@ class BackgroundUploader:
             self._finish(None, fatal=False)
 
     def _mirror_runlog(self) -> None:
-        """The run log is a record, not state: failing to upload it never fails a checkpoint or the job;
-        it is tried again after the next checkpoint."""
-        if self._runlog is None:
-            return
-        try:
-            self._runlog.sync()
-        except Exception as e:  # noqa: BLE001 - logged; the next sync tries again
-            logger.warning("run log not uploaded to %s: %s; trying again after the next checkpoint",
-                           self._remote.url, e)
+        if self._runlog is not None:
+            self._runlog.sync_or_warn()
 
     def _finish(self, error: BaseException | None, *, fatal: bool, retry: LocalCheckpoint | None = None) -> None:
         with self._cond:
