@@ -63,7 +63,9 @@ class Ledger:
         self.path = folder / LEDGER_DIR / f"{self.life}.json"
         self._previous = previous
         self._on_written = on_written
-        self._lock = threading.Lock()
+        # Reentrant: a signal handler's event (stop_requested) can arrive in the main thread while it is
+        # inside this lock writing the record; those events only note a time and never write.
+        self._lock = threading.RLock()
         self._writing = False  # written once the model is built
         self._broken = False
         self._stop_at: float | None = None

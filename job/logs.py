@@ -22,15 +22,16 @@ _RESERVED = {"event", "fields"}
 _log = logging.getLogger(__name__)
 
 Listener = Callable[[str, dict[str, Any]], None]
-_listeners: list[Listener] = []
-_listeners_lock = threading.Lock()
+# Replaced whole, never changed in place, and read without a lock: events are also emitted from signal
+# handlers (job.signals), which run in the main thread between any two bytecodes, so a lock held by the
+# interrupted code would never be released.
+_listeners: tuple[Listener, ...] = ()
+_listeners_lock = threading.Lock()  # only between subscribe and unsubscribe
 
 
 def event(logger: logging.Logger, name: str, level: int = logging.INFO, **fields: Any) -> None:
     """Log a structured event (``{"event": name, **fields}`` in JSON mode) and hand it to the listeners."""
-    with _listeners_lock:
-        listeners = list(_listeners)
-    for listener in listeners:  # first: whoever reads the log line finds the records already updated
+    for listener in _listeners:  # first: whoever reads the log line finds the records already updated
         try:
             listener(name, fields)
         except Exception:  # noqa: BLE001 - a record is never a reason to stop training
@@ -45,15 +46,17 @@ def subscribe(listener: Listener) -> Callable[[], None]:
 
     The run's records (job.ledger, job.curves) are built from the same events as the log, but must not
     depend on ``--log-level``: a listener sees every event, whatever reaches the log. A listener must be
-    quick and must not raise (it runs on the training thread and on the writer threads).
+    quick and must not raise (it runs on the training thread and on the writer threads), and must not
+    block on a lock its own thread may hold: it is also called from signal handlers.
     """
+    global _listeners
     with _listeners_lock:
-        _listeners.append(listener)
+        _listeners = (*_listeners, listener)
 
     def unsubscribe() -> None:
+        global _listeners
         with _listeners_lock:
-            if listener in _listeners:
-                _listeners.remove(listener)
+            _listeners = tuple(other for other in _listeners if other is not listener)
 
     return unsubscribe
 

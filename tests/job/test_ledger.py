@@ -210,3 +210,33 @@ def test_a_failing_listener_never_stops_the_event(caplog) -> None:
         event(logging.getLogger("test"), "progress", step=1)
     assert seen == ["progress"]
     assert "a listener of the job's events failed on 'progress'" in caplog.text
+
+
+def test_a_signal_handler_s_event_inside_a_record_write_does_not_deadlock(tmp_path, monkeypatch) -> None:
+    """SIGTERM's handler emits stop_requested in the main thread, between any two bytecodes: also while
+    that thread is inside the ledger's lock writing the record (a CI run hung exactly there)."""
+    import logging
+    import threading
+
+    from job.ledger import Ledger
+    from job.logs import event, listening
+
+    log = logging.getLogger("test")
+    ledger = Ledger(tmp_path, world_size=1, started=1_796_000_000.0)
+    write = ledger._write
+
+    def interrupted() -> None:
+        event(log, "stop_requested", signal="SIGTERM", grace_seconds=60)  # the handler, mid-write
+        write()
+
+    def emit() -> None:
+        with listening(ledger):
+            event(log, "built", model="mlp")
+            monkeypatch.setattr(ledger, "_write", interrupted)
+            event(log, "progress", step=5)
+
+    worker = threading.Thread(target=emit, daemon=True)
+    worker.start()
+    worker.join(10)
+    assert not worker.is_alive(), "the event inside the write deadlocked"
+    assert json.loads(ledger.path.read_text())["last_step"] == 5
