@@ -8,7 +8,9 @@ at least as fast as s5cmd both ways (ratio = our MB/s / s5cmd's MB/s >= 1.0).
 What each side does, so the ratio can be read fairly:
 
 * ours up: read the file once (page cache), hash it while reading (BLAKE3 blocks), multipart upload
-  (``--part-size`` x ``--concurrency`` in flight), the manifest last, ``latest``, retention.
+  (``--part-size`` x ``--concurrency`` in flight), the manifest last, ``latest``, retention. Over this
+  plain HTTP each part goes as UNSIGNED-PAYLOAD with a CRC32 the server checks (uploader.transit); s5cmd
+  SHA-256-signs its parts; s3tc sends them as UNSIGNED-PAYLOAD with no checksum at all (seen on the wire).
 * ours down: list, read the manifest, HEAD, ranged GETs (``--part-size`` x ``--concurrency``), each
   streamed from the socket into its place in the file and block-hashed by its thread (format 2),
   no writeback hint (the kernel paces the disk, as for s5cmd), atomic commit of the folder (manifest and

@@ -22,7 +22,8 @@ file:// remotes are not retried at all: a local disk has no transient failures w
 NFS hard mount already retries inside the kernel (that is its one layer).
 
 Transient: connection refused/reset/closed, timeouts, broken or short response bodies, HTTP 5xx
-(except 501), 429 and throttling/timeout codes (SlowDown, RequestTimeout...). Everything else, in
+(except 501), 429, throttling/timeout codes (SlowDown, RequestTimeout...) and a body the server
+received damaged (BadDigest, XAmzContentSHA256Mismatch: uploader.transit). Everything else, in
 particular 403 (wrong or missing credentials, access denied) and 404 (no such bucket), fails at once.
 """
 from __future__ import annotations
@@ -71,6 +72,10 @@ TRANSIENT_ERROR_CODES = frozenset(
         "RequestTimeoutException",
         "InternalError",
         "ServiceUnavailable",
+        # A body that reached the server damaged (its CRC32 or SHA-256 does not match, uploader.transit):
+        # sent again, it arrives whole.
+        "BadDigest",
+        "XAmzContentSHA256Mismatch",
     }
 )
 

@@ -5,7 +5,8 @@ available, and the SDK's newer default checksums are switched to "when_required"
 servers reject or mangle them. Integrity is ours instead: every file's digest (the manifest's
 ``blake3`` or ``sha256``, uploader.hashing) is checked while it streams, and stored as
 ``x-amz-meta-digest`` (older builds: ``x-amz-meta-sha256``, still read) so that a resumed upload can
-skip what is already there.
+skip what is already there. In transit, TLS protects the bytes; over plain HTTP a CRC32 that the server
+verifies protects the checkpoint's data, and a SHA-256 signature everything else (uploader.transit).
 
 Credentials come only from boto3's standard chain (environment, shared files, web identity / IRSA,
 container and instance profiles). They are never passed around, printed or logged; error messages
@@ -69,6 +70,7 @@ from uploader.parallel import ordered_map
 from uploader.redact import redact_url
 from uploader.remote import ObjectInfo, OnBytes, s3_location
 from uploader.retry import describe, error_code, is_transient, retrying
+from uploader.transit import Transit
 
 logger = logging.getLogger(__name__)
 
@@ -111,10 +113,12 @@ _CREDENTIAL_ERRORS = (
 )
 
 
-def make_client(config: UploadConfig) -> Any:
+def make_client(config: UploadConfig, sign_payload: bool | None = None) -> Any:
     """An S3 client that never retries by itself (tenacity does, see uploader.retry).
 
     ``endpoint_url=None`` lets botocore use AWS_ENDPOINT_URL (or AWS_ENDPOINT_URL_S3) if set.
+    ``sign_payload=None`` SHA-256-signs request bodies only over plain HTTP (below); the checkpoint's
+    data goes through a second client with ``sign_payload=False`` and a CRC32 instead (uploader.transit).
     """
     session = boto3.session.Session()
 
@@ -133,11 +137,14 @@ def make_client(config: UploadConfig) -> Any:
         ))
 
     client = client_with({})
-    if client.meta.endpoint_url.startswith("https://"):
+    if sign_payload is None:
         # Without the SDK's flexible checksums botocore SHA-256-signs every request body, even over TLS:
         # ~0.6 CPU-seconds per GiB uploaded. Over HTTPS the body is protected in transit by TLS and end to
         # end by our own digests, so send it as UNSIGNED-PAYLOAD, as the SDK does with its checksums on.
-        # Over plain HTTP (a local MinIO) the signature is the only protection in transit: kept.
+        # Over plain HTTP (a local MinIO) the signature protects small bodies in transit, as botocore and
+        # MinIO's own SDK (minio-go signs bodies unless the connection is TLS) do; large ones: uploader.transit.
+        sign_payload = not client.meta.endpoint_url.startswith("https://")
+    if not sign_payload:
         client = client_with({"payload_signing_enabled": False})
     _track_connections(client)
     return client
@@ -226,11 +233,21 @@ class S3Remote:
         self.config = config
         self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
         self._client = client if client is not None else make_client(config)
+        self._transit = self._data_path(client is None)
 
     @classmethod
     def from_url(cls, url: str, config: UploadConfig) -> S3Remote:
         bucket, prefix = s3_location(url)
         return cls(bucket, prefix, config)
+
+    def _data_path(self, own_client: bool) -> Transit:
+        """How the checkpoint's data goes up (uploader.transit): over plain HTTP, unsigned with a CRC32 the
+        server checks, through a second client; a client passed in sends everything, as it is configured."""
+        https = str(self._client.meta.endpoint_url).startswith("https://")
+        if https or not own_client:
+            return Transit(self._client, self._client, checksums=False, where=self.describe())
+        return Transit(make_client(self.config, sign_payload=False), self._client, checksums=True,
+                       where=self.describe())
 
     @property
     def endpoint(self) -> str:
@@ -241,6 +258,7 @@ class S3Remote:
         return f"bucket {self.bucket!r} at {self.endpoint}"
 
     def close(self) -> None:
+        self._transit.close()
         self._client.close()
 
     # -- the Remote operations ------------------------------------------------------------------
@@ -442,9 +460,10 @@ class S3Remote:
             raise CorruptCheckpoint(f"{path} does not match its manifest (size or {algorithm}); not uploading it")
         self._call(
             f"PUT {key}",
-            lambda: self._client.put_object(
-                Bucket=self.bucket, Key=self._key(key), Body=data, Metadata={DIGEST_METADATA: tagged(algorithm, digest)}
-            ),
+            lambda: self._transit.send(lambda client, checksum: client.put_object(
+                Bucket=self.bucket, Key=self._key(key), Body=data, Metadata={DIGEST_METADATA: tagged(algorithm, digest)},
+                **checksum,
+            ), data),
             _either(None, abort),
         )
         if on_bytes is not None:
@@ -468,7 +487,8 @@ class S3Remote:
         upload_id = self._call(
             f"start multipart upload of {key}",
             lambda: self._client.create_multipart_upload(
-                Bucket=self.bucket, Key=full, Metadata={DIGEST_METADATA: tagged(algorithm, digest)}
+                Bucket=self.bucket, Key=full, Metadata={DIGEST_METADATA: tagged(algorithm, digest)},
+                **self._transit.multipart_args(),
             )["UploadId"],
             should_abort,
         )
@@ -493,16 +513,16 @@ class S3Remote:
             hasher = sent_digest.part((number - 1) * part_size)
             if hasher is not None:
                 hasher.update(chunk)
-            etag = self._call(
+            reply = self._call(
                 f"upload part {number} of {key}",
-                lambda: self._client.upload_part(
-                    Bucket=self.bucket, Key=full, UploadId=upload_id, PartNumber=number, Body=chunk
-                )["ETag"],
+                lambda: self._transit.send(lambda client, checksum: client.upload_part(
+                    Bucket=self.bucket, Key=full, UploadId=upload_id, PartNumber=number, Body=chunk, **checksum
+                ), chunk),
                 should_abort,
             )
             if on_bytes is not None:
                 on_bytes(len(chunk))
-            return {"ETag": etag, "PartNumber": number}
+            return {"ETag": reply["ETag"], "PartNumber": number, **self._transit.part_entry(reply)}
 
         try:
             with contextlib.closing(

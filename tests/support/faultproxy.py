@@ -12,13 +12,18 @@ Faults can be switched while traffic flows:
 * ``trickle(interval, after=0)``: responses (server to client) go on one byte every ``interval``
   seconds, on every connection, open ones included, once it has forwarded ``after`` more response
   bytes at full speed: a server or middlebox that never stalls long enough for a socket timeout;
-* ``passthrough()``: no fault.
+* ``corrupt(k, min_length)``: the next ``k`` requests whose body has at least ``min_length`` bytes
+  reach the server with the first byte of that body flipped (a bit error no TCP checksum caught);
+* ``strip_response_header(name)``: responses on connections opened from then on lose every header
+  line called ``name``: a server that does not know that header;
+* ``passthrough()``: no fault (a stripped header stays stripped).
 
 Requests are framed by parsing HTTP/1.1 heads and Content-Length (all the S3 SDK sends), so the proxy
 counts connections and requests: tests assert "no retry storm" with them.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import socket
 import struct
@@ -46,7 +51,9 @@ class Counters:
     requests: int = 0
     resets: int = 0
     slowdowns: int = 0
+    corrupted: int = 0
     request_lines: list[str] = field(default_factory=list)
+    request_heads: list[tuple[str, dict[str, str]]] = field(default_factory=list)  # line, lower-case headers
 
 
 class _Reset(Exception):
@@ -67,6 +74,9 @@ class FaultProxy:
         self._trickle: float | None = None
         self._trickle_after = 0
         self._trickle_generation = 0  # bumped by trickle(): connections then count `after` afresh
+        self._corrupt = 0
+        self._corrupt_min_length = 1
+        self._strip: bytes | None = None
         self._sockets: set[socket.socket] = set()
         self._listener = socket.create_server((LOOPBACK, 0))
         self.port = self._listener.getsockname()[1]
@@ -102,6 +112,14 @@ class FaultProxy:
         with self._lock:
             self._trickle, self._trickle_after = interval_seconds, after
             self._trickle_generation += 1
+
+    def corrupt(self, requests: int, min_length: int = 1) -> None:
+        with self._lock:
+            self._corrupt, self._corrupt_min_length = requests, min_length
+
+    def strip_response_header(self, name: str) -> None:
+        with self._lock:
+            self._strip = name.lower().encode("latin-1")
 
     def close(self) -> None:
         self._closed = True
@@ -147,6 +165,14 @@ class FaultProxy:
                 return True
             return False
 
+    def _take_corruption(self, length: int) -> bool:
+        with self._lock:
+            if self._corrupt > 0 and length >= self._corrupt_min_length:
+                self._corrupt -= 1
+                self.counters.corrupted += 1
+                return True
+            return False
+
     def _claim_budget(self, generation: int) -> tuple[int, int | None]:
         """(current generation, byte budget or None) for a connection that last claimed at ``generation``."""
         if generation == self._generation:
@@ -181,6 +207,9 @@ class _Connection:
         self.dead = False
         self.trickle_generation = 0  # the trickle() setting `fast_left` counts for
         self.fast_left = 0  # response bytes still forwarded at full speed under the current trickle
+        with proxy._lock:
+            self.strip = proxy._strip
+        self.methods: collections.deque[str] = collections.deque()  # of requests not answered yet (strip mode)
 
     def pump_requests(self) -> None:
         buf = b""
@@ -199,22 +228,27 @@ class _Connection:
                 with self.proxy._lock:
                     self.proxy.counters.requests += 1
                     self.proxy.counters.request_lines.append(request_line)
+                    self.proxy.counters.request_heads.append((request_line, headers))
+                self.methods.append(request_line.split(" ", 1)[0])
                 if self.proxy._take_slowdown():
                     if "100-continue" not in headers.get("expect", "").lower():
                         buf = self._discard(buf, length)
                     self.client.sendall(SLOW_DOWN)
                     return self._finish()
                 self._forward(self.upstream, head)
+                flip = self.proxy._take_corruption(length)
                 body, buf = buf[:length], buf[length:]
                 left = length - len(body)
                 if body:
-                    self._forward(self.upstream, body)
+                    self._forward(self.upstream, _flipped(body) if flip else body)
+                    flip = False
                 while left > 0:
                     data = self.client.recv(min(BUFFER, left))
                     if not data:
                         return self._finish()
                     left -= len(data)
-                    self._forward(self.upstream, data)
+                    self._forward(self.upstream, _flipped(data) if flip else data)
+                    flip = False
         except _Reset:
             self._reset()
         except OSError:
@@ -222,6 +256,8 @@ class _Connection:
 
     def pump_responses(self) -> None:
         try:
+            if self.strip is not None:
+                self._pump_stripped_heads(self.strip)
             while data := self.upstream.recv(BUFFER):
                 self._forward(self.client, data)
         except _Reset:
@@ -230,6 +266,44 @@ class _Connection:
         except OSError:
             pass
         self._finish()
+
+    def _pump_stripped_heads(self, name: bytes) -> None:
+        """Forward responses without the header ``name``: framed by Content-Length, matched to their
+        requests' methods (a HEAD's response has no body). A chunked response ends the framing: the
+        rest of the connection passes as it is (S3 answers uploads with empty bodies)."""
+        buf = b""
+        while True:
+            while b"\r\n\r\n" not in buf:
+                data = self.upstream.recv(BUFFER)
+                if not data:
+                    if buf:
+                        self._forward(self.client, buf)
+                    return
+                buf += data
+            head, _, buf = buf.partition(b"\r\n\r\n")
+            lines = head.split(b"\r\n")
+            kept = [lines[0]] + [line for line in lines[1:] if line.split(b":", 1)[0].strip().lower() != name]
+            self._forward(self.client, b"\r\n".join(kept) + b"\r\n\r\n")
+            status = int(lines[0].split()[1])
+            if 100 <= status < 200:
+                continue
+            headers = _headers(head + b"\r\n\r\n")
+            method = self.methods.popleft() if self.methods else ""
+            if "chunked" in headers.get("transfer-encoding", "").lower():
+                if buf:
+                    self._forward(self.client, buf)
+                return
+            left = 0 if method == "HEAD" or status in (204, 304) else int(headers.get("content-length", "0"))
+            body, buf = buf[:left], buf[left:]
+            if body:
+                self._forward(self.client, body)
+            left -= len(body)
+            while left > 0:
+                data = self.upstream.recv(min(BUFFER, left))
+                if not data:
+                    return
+                left -= len(data)
+                self._forward(self.client, data)
 
     def _discard(self, buf: bytes, length: int) -> bytes:
         left = length - len(buf[:length])
@@ -305,6 +379,10 @@ class _Connection:
             with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
             s.close()
+
+
+def _flipped(data: bytes) -> bytes:
+    return bytes([data[0] ^ 0xFF]) + data[1:]
 
 
 def _headers(head: bytes) -> dict[str, str]:

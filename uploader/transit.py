@@ -1,0 +1,92 @@
+"""How a checkpoint's bytes are protected on their way to the server, and the proof that they were.
+
+Over HTTPS, TLS protects them: bodies go as UNSIGNED-PAYLOAD (uploader.s3.make_client), nothing added.
+
+Over plain HTTP (a local MinIO or SeaweedFS) something else must, or a byte flipped between this
+process and the server's disk is stored, and found only when a resume verifies the checkpoint and
+has to fall back to an older one. botocore's answer is to SHA-256-sign every body: about 0.6 CPU-s
+per GiB in the client and as much again in the server, which recomputes it. Ours, for the data (the
+checkpoint's files): a CRC32 in ``x-amz-checksum-crc32``, which the server verifies before it stores
+the part, answering ``BadDigest`` otherwise (uploader.retry resends it); 0.3 CPU-s per GiB here, less
+in a Go or Rust server. It catches the same accidents. It is not a defence against someone on the
+path, and neither is the signature over plain HTTP: responses are never signed, so whoever could
+change an upload could change the download as well; the manifest's digests catch either at resume,
+and TLS is the answer to an attacker. Small bodies (manifests, markers, run logs, the XML of a
+multipart upload's completion) keep the signature: it costs nothing there.
+
+A server that does not know the header ignores it, and then does not echo it in its reply (AWS S3,
+MinIO, SeaweedFS and Ceph do echo it). Such a reply means the body went unverified: it is sent again,
+signed, and so is every later body on this remote; one warning says so.
+"""
+from __future__ import annotations
+
+import base64
+import logging
+import threading
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+Body = bytes | bytearray | memoryview
+# One request that carries a body: called with the client to send it and the extra parameters
+# (the checksum, or nothing); returns botocore's parsed reply.
+Request = Callable[[Any, dict[str, str]], dict[str, Any]]
+
+ALGORITHM = "CRC32"
+
+
+def crc32_base64(body: Body) -> str:
+    """S3's encoding of a CRC32: the big-endian 4 bytes, base64."""
+    return base64.b64encode(zlib.crc32(body).to_bytes(4, "big")).decode("ascii")
+
+
+class Transit:
+    """Sends the data bodies of one remote: checksummed and unsigned, or signed (see the module docstring).
+
+    ``unsigned`` and ``signed`` are clients of the same endpoint; over HTTPS they are one and the same
+    and ``checksums`` is False.
+    """
+
+    def __init__(self, unsigned: Any, signed: Any, checksums: bool, where: str) -> None:
+        self._unsigned = unsigned
+        self._signed = signed
+        self._where = where
+        self._lock = threading.Lock()
+        self.checksums = checksums
+
+    def multipart_args(self) -> dict[str, str]:
+        """For CreateMultipartUpload: the parts will carry CRC32s (S3 wants them announced)."""
+        return {"ChecksumAlgorithm": ALGORITHM} if self.checksums else {}
+
+    def send(self, request: Request, body: Body) -> dict[str, Any]:
+        """``request`` once, with the body's CRC32 if checksums are on; again, signed, if the server
+        showed it ignored the checksum. Call it inside the retry layer: a BadDigest is retried there."""
+        if not self.checksums:
+            return request(self._signed, {})
+        sent = crc32_base64(body)
+        reply = request(self._unsigned, {f"Checksum{ALGORITHM}": sent})
+        if reply.get(f"Checksum{ALGORITHM}") == sent:
+            return reply
+        self._stop_checksums()
+        return request(self._signed, {})
+
+    def part_entry(self, reply: dict[str, Any]) -> dict[str, str]:
+        """What CompleteMultipartUpload lists for a part besides its ETag and number."""
+        value = reply.get(f"Checksum{ALGORITHM}")
+        return {f"Checksum{ALGORITHM}": value} if value else {}
+
+    def close(self) -> None:
+        """The second client, if there is one (the caller closes the one it gave for signing)."""
+        if self._unsigned is not self._signed:
+            self._unsigned.close()
+
+    def _stop_checksums(self) -> None:
+        with self._lock:
+            if not self.checksums:
+                return
+            self.checksums = False
+        logger.warning("%s does not verify x-amz-checksum-crc32 (its reply did not echo it): checkpoint data "
+                       "is SHA-256-signed from now on, which costs more CPU on both sides; use HTTPS, or a "
+                       "server with S3's flexible checksums, to avoid that", self._where)
