@@ -9,18 +9,26 @@ steps), each round timing one plain step, then ``save_async`` plus the next step
 * ``at_once``: the same Checkpointer with nothing left for later (every tensor copied inside
   ``save_async``, as before the pipelining).
 * ``sync``: ``torch.save(state.state_dict())`` + fsync, the synchronous save the target is relative to.
+* ``copy_only``: no checkpoint: a thread (at the writer's priority) copies every tensor of the state
+  once into reused buffers while the next step runs. The floor of any design that copies the state
+  while training goes on: on a CPU the copy and the step share the memory bus, however many cores
+  there are, so this is what "the copy overlaps the step" costs here.
 
 The writes are waited for, untimed, between steps, so no arm measures another's disk traffic.
 Reported per arm: the extra time of "save_async + next step" over the plain step, and the loop stall
 (``last_stall_seconds``, the copy plus any wait in ``before_update``). Target: the pipelined extra
 time <= 0.05x the synchronous save, whenever one forward+backward takes at least as long as the copy.
+Single steps vary by tens of ms on a shared VM: use many rounds (medians of paired differences).
 """
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
+
+import torch
 
 if __package__ in (None, ""):  # run as `python bench/pipelined_step.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -80,10 +88,31 @@ def measure(size: str, rounds: int, warmup: int, workdir: Path) -> dict[str, flo
     def sync() -> dict[str, float]:
         return {"sync": sync_save_seconds(state, sync_path)}
 
-    arms = {"pipelined": arm("pipelined", pipelined_rule), "at_once": arm("at_once", nothing_later), "sync": sync}
+    sources = tensors_of(state.state_dict())
+    copies = [torch.empty_like(t) for t in sources]
+
+    def copy_only() -> dict[str, float]:
+        def copy_all() -> None:
+            checkpoint._yield_cpu_to_training()
+            for buf, src in zip(copies, sources):
+                buf.copy_(src)
+
+        started = time.perf_counter()
+        trainer.train_step(to_device(next(stream), run.device))
+        plain = time.perf_counter()
+        copier = threading.Thread(target=copy_all, name="bench-copy")
+        copier.start()
+        trainer.train_step(to_device(next(stream), run.device))
+        done = time.perf_counter()
+        copier.join()
+        return {"plain": plain - started, "around": done - plain, "stall": 0.0}
+
+    trainer = Trainer(run, cfg.eval_interval, cfg.log_interval, after_step=lambda s, e: None)
+    arms = {"pipelined": arm("pipelined", pipelined_rule), "at_once": arm("at_once", nothing_later), "sync": sync,
+            "copy_only": copy_only}
     results = interleaved(arms, rounds=rounds, warmup=warmup, log=progress)
     out = {"sync": median([r["sync"] for r in results["sync"]]), "bytes": float(size_bytes)}
-    for name in ("pipelined", "at_once"):
+    for name in ("pipelined", "at_once", "copy_only"):
         runs = results[name]
         out[f"{name}_extra"] = median([r["around"] - r["plain"] for r in runs])
         out[f"{name}_stall"] = median([r["stall"] for r in runs])
@@ -99,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     apply_threads(args.threads)
     sizes = chosen_sizes(args.sizes, args.smoke)
-    rounds = args.rounds or (1 if args.smoke else 7)
+    rounds = args.rounds or (1 if args.smoke else 25)
     warmup = 0 if args.smoke else args.warmup
     print_machine(args.tmpdir)
     verdicts = []
@@ -109,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{size} ({human_bytes(m['bytes'])}), median of {rounds}: plain step {m['pipelined_step']:.3f} s; "
                   f"extra time of save_async + next step: pipelined {m['pipelined_extra'] * 1e3:+.1f} ms "
                   f"(stall {m['pipelined_stall'] * 1e3:.1f} ms), at once {m['at_once_extra'] * 1e3:+.1f} ms "
-                  f"(stall {m['at_once_stall'] * 1e3:.1f} ms); synchronous torch.save {m['sync']:.3f} s", flush=True)
+                  f"(stall {m['at_once_stall'] * 1e3:.1f} ms); a bare copy of the state alongside the step (the floor) "
+                  f"{m['copy_only_extra'] * 1e3:+.1f} ms; synchronous torch.save {m['sync']:.3f} s; floor/sync save "
+                  f"{m['copy_only_extra'] / m['sync']:.3f}", flush=True)
             verdicts.append(ratio(f"{size} pipelined extra/sync save", m["pipelined_extra"] / m["sync"], TARGET))
     print("; ".join(verdicts), flush=True)
     return 0
