@@ -19,6 +19,12 @@ Reported per arm: the extra time of "save_async + next step" over the plain step
 (``last_stall_seconds``, the copy plus any wait in ``before_update``). Target: the pipelined extra
 time <= 0.05x the synchronous save, whenever one forward+backward takes at least as long as the copy.
 Single steps vary by tens of ms on a shared VM: use many rounds (medians of paired differences).
+
+Every arm starts after ``--settle`` seconds of quiet. This VM hands freed memory back to its host
+(free page reporting, BENCHMARKS.md "Machine"): a step that runs while the gigabyte the previous arm
+just freed (its old checkpoint pruned, the sync arm's file deleted) is being handed back is slowed by
+up to half a second, which is the previous arm's cost, not this one's; a real run's checkpoints are
+minutes apart. An arm's own prune, right after its commit, still lands in its own rounds.
 """
 from __future__ import annotations
 
@@ -40,7 +46,7 @@ from bench.models import SIZES, bench_config, chosen_sizes, nbytes, prepared_run
 TARGET = 0.05
 
 
-def measure(size: str, rounds: int, warmup: int, workdir: Path) -> dict[str, float]:
+def measure(size: str, rounds: int, warmup: int, workdir: Path, settle: float) -> dict[str, float]:
     import job.checkpoint as checkpoint
     from job.checkpoint import Checkpointer
     from job.loop import Trainer, to_device
@@ -110,7 +116,16 @@ def measure(size: str, rounds: int, warmup: int, workdir: Path) -> dict[str, flo
     trainer = Trainer(run, cfg.eval_interval, cfg.log_interval, after_step=lambda s, e: None)
     arms = {"pipelined": arm("pipelined", pipelined_rule), "at_once": arm("at_once", nothing_later), "sync": sync,
             "copy_only": copy_only}
-    results = interleaved(arms, rounds=rounds, warmup=warmup, log=progress)
+
+    def after_quiet(run_arm: Any) -> Any:
+        def settled() -> dict[str, float]:
+            time.sleep(settle)
+            return run_arm()
+
+        return settled
+
+    results = interleaved({name: after_quiet(fn) for name, fn in arms.items()}, rounds=rounds, warmup=warmup,
+                          log=progress)
     out = {"sync": median([r["sync"] for r in results["sync"]]), "bytes": float(size_bytes)}
     for name in ("pipelined", "at_once", "copy_only"):
         runs = results[name]
@@ -124,17 +139,19 @@ def main(argv: list[str] | None = None) -> int:
     p = parser(__doc__)
     p.add_argument("--sizes", default="400MB,1GB", help=f"comma-separated, of: {', '.join(SIZES)}")
     p.add_argument("--warmup", type=int, default=1, help="unmeasured rounds first")
+    p.add_argument("--settle", type=float, default=3.0,
+                   help="seconds of quiet before every arm (module docstring); 0 in --smoke mode")
     add_threads_option(p)
     args = p.parse_args(argv)
     apply_threads(args.threads)
     sizes = chosen_sizes(args.sizes, args.smoke)
-    rounds = args.rounds or (1 if args.smoke else 25)
+    rounds = args.rounds or (1 if args.smoke else 15)
     warmup = 0 if args.smoke else args.warmup
     print_machine(args.tmpdir)
     verdicts = []
     with scratch("pipelined", args.tmpdir) as workdir:
         for size in sizes:
-            m = measure(size, rounds, warmup, workdir)
+            m = measure(size, rounds, warmup, workdir, 0.0 if args.smoke else args.settle)
             print(f"{size} ({human_bytes(m['bytes'])}), median of {rounds}: plain step {m['pipelined_step']:.3f} s; "
                   f"extra time of save_async + next step: pipelined {m['pipelined_extra'] * 1e3:+.1f} ms "
                   f"(stall {m['pipelined_stall'] * 1e3:.1f} ms), at once {m['at_once_extra'] * 1e3:+.1f} ms "
