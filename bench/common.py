@@ -50,13 +50,20 @@ def timed(fn: Callable[[], Any]) -> float:
 
 
 def interleaved(arms: Mapping[str, Callable[[], T]], rounds: int, warmup: int = 0,
-                log: Callable[[str], None] | None = None) -> dict[str, list[T]]:
+                log: Callable[[str], None] | None = None, settle: float = 0.0) -> dict[str, list[T]]:
     """Run every arm once per round, forward on even rounds and backward on odd ones (A B, B A, ...),
-    so slow drift and "who runs first" cancel out; the first ``warmup`` rounds are run and dropped."""
+    so slow drift and "who runs first" cancel out; the first ``warmup`` rounds are run and dropped.
+
+    ``settle``: seconds of quiet before every arm. A VM that hands freed memory back to its host (free
+    page reporting, BENCHMARKS.md "Machine") makes whatever runs while the gigabyte the previous arm
+    freed (a deleted download, a pruned checkpoint) is being handed back pay for it: up to half a
+    second per step, per GiB, in the arm that did not free it (see add_settle_option)."""
     names = list(arms)
     results: dict[str, list[T]] = {name: [] for name in names}
     for r in range(warmup + rounds):
         for name in names if r % 2 == 0 else names[::-1]:
+            if settle:
+                time.sleep(settle)
             value = arms[name]()
             if r >= warmup:
                 results[name].append(value)
@@ -192,6 +199,16 @@ def parser(doc: str | None) -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=None, help="measured rounds per arm (default: per benchmark)")
     p.add_argument("--tmpdir", type=Path, default=DEFAULT_TMPDIR, help="scratch space (a temp folder, removed after)")
     return p
+
+
+def add_settle_option(p: argparse.ArgumentParser, default: float = 3.0) -> None:
+    p.add_argument("--settle", type=float, default=default,
+                   help="seconds of quiet before every arm, so that none pays for the memory the previous one "
+                        "freed while the VM hands it back to its host (interleaved); ignored in --smoke mode")
+
+
+def settle_seconds(args: argparse.Namespace) -> float:
+    return 0.0 if args.smoke else args.settle
 
 
 def add_threads_option(p: argparse.ArgumentParser) -> None:

@@ -20,11 +20,10 @@ Reported per arm: the extra time of "save_async + next step" over the plain step
 time <= 0.05x the synchronous save, whenever one forward+backward takes at least as long as the copy.
 Single steps vary by tens of ms on a shared VM: use many rounds (medians of paired differences).
 
-Every arm starts after ``--settle`` seconds of quiet. This VM hands freed memory back to its host
-(free page reporting, BENCHMARKS.md "Machine"): a step that runs while the gigabyte the previous arm
-just freed (its old checkpoint pruned, the sync arm's file deleted) is being handed back is slowed by
-up to half a second, which is the previous arm's cost, not this one's; a real run's checkpoints are
-minutes apart. An arm's own prune, right after its commit, still lands in its own rounds.
+Every arm starts after ``--settle`` seconds of quiet (bench.common.interleaved): without them a step
+that runs while the gigabyte the previous arm just freed (its old checkpoint pruned, the sync arm's
+file deleted) is handed back to the VM's host pays the previous arm's cost; a real run's checkpoints
+are minutes apart. An arm's own prune, right after its commit, still lands in its own rounds.
 """
 from __future__ import annotations
 
@@ -39,8 +38,8 @@ import torch
 if __package__ in (None, ""):  # run as `python bench/pipelined_step.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import (add_threads_option, apply_threads, human_bytes, interleaved, median, parser, print_machine,
-                          progress, ratio, scratch)
+from bench.common import (add_settle_option, add_threads_option, apply_threads, human_bytes, interleaved, median,
+                          parser, print_machine, progress, ratio, scratch, settle_seconds)
 from bench.models import SIZES, bench_config, chosen_sizes, nbytes, prepared_run, sync_save_seconds, tensors_of
 
 TARGET = 0.05
@@ -116,16 +115,7 @@ def measure(size: str, rounds: int, warmup: int, workdir: Path, settle: float) -
     trainer = Trainer(run, cfg.eval_interval, cfg.log_interval, after_step=lambda s, e: None)
     arms = {"pipelined": arm("pipelined", pipelined_rule), "at_once": arm("at_once", nothing_later), "sync": sync,
             "copy_only": copy_only}
-
-    def after_quiet(run_arm: Any) -> Any:
-        def settled() -> dict[str, float]:
-            time.sleep(settle)
-            return run_arm()
-
-        return settled
-
-    results = interleaved({name: after_quiet(fn) for name, fn in arms.items()}, rounds=rounds, warmup=warmup,
-                          log=progress)
+    results = interleaved(arms, rounds=rounds, warmup=warmup, log=progress, settle=settle)
     out = {"sync": median([r["sync"] for r in results["sync"]]), "bytes": float(size_bytes)}
     for name in ("pipelined", "at_once", "copy_only"):
         runs = results[name]
@@ -139,8 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     p = parser(__doc__)
     p.add_argument("--sizes", default="400MB,1GB", help=f"comma-separated, of: {', '.join(SIZES)}")
     p.add_argument("--warmup", type=int, default=1, help="unmeasured rounds first")
-    p.add_argument("--settle", type=float, default=3.0,
-                   help="seconds of quiet before every arm (module docstring); 0 in --smoke mode")
+    add_settle_option(p)
     add_threads_option(p)
     args = p.parse_args(argv)
     apply_threads(args.threads)
@@ -151,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     verdicts = []
     with scratch("pipelined", args.tmpdir) as workdir:
         for size in sizes:
-            m = measure(size, rounds, warmup, workdir, 0.0 if args.smoke else args.settle)
+            m = measure(size, rounds, warmup, workdir, settle_seconds(args))
             print(f"{size} ({human_bytes(m['bytes'])}), median of {rounds}: plain step {m['pipelined_step']:.3f} s; "
                   f"extra time of save_async + next step: pipelined {m['pipelined_extra'] * 1e3:+.1f} ms "
                   f"(stall {m['pipelined_stall'] * 1e3:.1f} ms), at once {m['at_once_extra'] * 1e3:+.1f} ms "

@@ -23,12 +23,15 @@ What each side does, so the ratio can be read fairly:
   writes into it), ``S3Checkpoint.reader`` read in 8 MiB pieces into a local file. Path-style
   addressing (``force_path_style``), its defaults otherwise; no end-to-end hash, no fsync. It talks
   to SeaweedFS as it is; ``--s3tc-endpoint`` points this arm at another endpoint (any S3 it can reach).
+  It runs in a process of its own, as s5cmd does, and measures itself there (all its threads): the
+  AWS CRT's threads and gigabytes of buffers then share neither our process nor our clock.
 
 The source file is in the page cache for every upload (it was just written), and the server's
 volume data likely is too: this measures the client and the loopback server, not a disk.
 """
 from __future__ import annotations
 
+import multiprocessing
 import os
 import resource
 import shutil
@@ -42,8 +45,8 @@ if __package__ in (None, ""):  # run as `python bench/transfer.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from uploader.hashing import fsync_path
-from bench.common import (MB, GiB, MiB, aws_environment, interleaved, median, parser, print_machine, progress,
-                          ratio, s3_bucket, scratch, venv_binary)
+from bench.common import (MB, GiB, MiB, add_settle_option, interleaved, median, parser, print_machine, progress,
+                          ratio, s3_bucket, scratch, settle_seconds, venv_binary)
 from tests.support.checkpoints import make_checkpoint
 
 TARGET = 1.0
@@ -95,6 +98,44 @@ class S3tc:
         return got
 
 
+class S3tcProcess:
+    """An :class:`S3tc` in a child process: each call returns the wall and CPU seconds (user + sys, every
+    thread of the child) the transfer took there, plus its result."""
+
+    def __init__(self, endpoint_url: str, region: str, env: dict[str, str]) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self._process = context.Process(target=_serve_s3tc, args=(child, endpoint_url, region, env),
+                                        name="bench-s3tc", daemon=True)
+        self._process.start()
+        child.close()
+
+    def call(self, method: str, *args: Any) -> tuple[Any, dict[str, float]]:
+        self._conn.send((method, args))
+        ok, result, clock = self._conn.recv()
+        if not ok:
+            raise RuntimeError(f"s3torchconnector {method} failed: {result}")
+        return result, clock
+
+    def close(self) -> None:
+        self._conn.send(None)
+        self._process.join(timeout=30)
+
+
+def _serve_s3tc(conn: Any, endpoint_url: str, region: str, env: dict[str, str]) -> None:
+    os.environ.clear()
+    os.environ.update(env)  # the credentials the arm is to use (boto3-style chain in the CRT too)
+    tc = S3tc(endpoint_url, region)
+    while (request := conn.recv()) is not None:
+        method, args = request
+        try:
+            with Clock(children=False) as clock:
+                result = getattr(tc, method)(*args)
+            conn.send((True, result, clock.result()))
+        except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
+            conn.send((False, f"{type(e).__name__}: {e}", None))
+
+
 class S5cmd:
     """``s5cmd --endpoint-url URL cp SRC DST`` with this process's (benchmark-only) AWS credentials."""
 
@@ -128,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
                         "environment and --s3tc-bucket) instead of the benchmark's SeaweedFS")
     p.add_argument("--s3tc-bucket", default=None, help="bucket for --s3tc-endpoint")
     p.add_argument("--s3tc-region", default="us-east-1", help="region for s3torchconnector")
+    add_settle_option(p)
     args = p.parse_args(argv)
     outside_env = dict(os.environ)  # the caller's credentials, for --s3tc-endpoint (s3_bucket replaces them)
     size = (16 if args.smoke else args.size_mib) * MiB
@@ -148,13 +190,12 @@ def main(argv: list[str] | None = None) -> int:
         ckpt = make_checkpoint(workdir / "local", step=1, files={FILE: size})
         s5 = S5cmd(bucket.endpoint_url)
         if args.s3tc_endpoint is not None:
-            with aws_environment(outside_env):
-                tc = S3tc(args.s3tc_endpoint, args.s3tc_region)
+            tc = S3tcProcess(args.s3tc_endpoint, args.s3tc_region, outside_env)
             tc_bucket = args.s3tc_bucket or bucket.name
         else:
-            tc, tc_bucket = S3tc(bucket.endpoint_url, args.s3tc_region), bucket.name
+            tc, tc_bucket = S3tcProcess(bucket.endpoint_url, args.s3tc_region, dict(os.environ)), bucket.name
         tc_seed = f"s3://{tc_bucket}/tc-seed/{FILE}"
-        tc.upload(ckpt.path / FILE, tc_seed)  # what its downloads fetch
+        tc.call("upload", ckpt.path / FILE, tc_seed)  # what its downloads fetch
         seed = open_remote(bucket.url("seed"), config)
         push(ckpt, seed, keep=1)  # what both downloads fetch
         seed_key = f"s3://{bucket.name}/seed/{ckpt.name}/{FILE}"
@@ -199,27 +240,26 @@ def main(argv: list[str] | None = None) -> int:
             return {**clock.result(), "fsync": fsync_seconds}
 
         def s3tc_up() -> dict[str, float]:
-            with Clock(children=False) as clock:
-                tc.upload(ckpt.path / FILE, f"s3://{tc_bucket}/tc-{next(counter)}/{FILE}")
-            return clock.result()
+            return tc.call("upload", ckpt.path / FILE, f"s3://{tc_bucket}/tc-{next(counter)}/{FILE}")[1]
 
         def s3tc_down() -> dict[str, float]:
             folder = workdir / f"down-{next(counter)}"
             folder.mkdir()
-            with Clock(children=False) as clock:
-                got = tc.download(tc_seed, folder / FILE)
+            got, clock = tc.call("download", tc_seed, folder / FILE)
             if got != size:
                 raise RuntimeError(f"s3torchconnector downloaded {got} bytes, not {size}")
             shutil.rmtree(folder)
-            return clock.result()
+            return clock
 
         # Each direction is its own interleaved series: an upload (1 GiB written by the server, and
         # freed again) sitting between two downloads changes what memory the next one finds.
+        settle = settle_seconds(args)
         results = interleaved({"ours_down": ours_down, "s5cmd_down": s5cmd_down, "s3tc_down": s3tc_down},
-                              rounds=rounds, log=progress)
+                              rounds=rounds, log=progress, settle=settle)
         results.update(interleaved({"ours_up": ours_up, "s5cmd_up": s5cmd_up, "s3tc_up": s3tc_up},
-                                   rounds=rounds, log=progress))
+                                   rounds=rounds, log=progress, settle=settle))
         seed.close()
+        tc.close()
 
     t = {name: median([r["wall"] for r in runs]) for name, runs in results.items()}
     cpu = {name: median([r["cpu"] for r in runs]) for name, runs in results.items()}

@@ -461,8 +461,8 @@ class S3Remote:
         self._call(
             f"PUT {key}",
             lambda: self._transit.send(lambda client, checksum: client.put_object(
-                Bucket=self.bucket, Key=self._key(key), Body=data, Metadata={DIGEST_METADATA: tagged(algorithm, digest)},
-                **checksum,
+                Bucket=self.bucket, Key=self._key(key), Body=data,
+                Metadata={DIGEST_METADATA: tagged(algorithm, digest)}, **checksum,
             ), data),
             _either(None, abort),
         )

@@ -26,7 +26,8 @@ def via(proxy: FaultProxy, bucket: Bucket) -> Remote:
 
 def parts(proxy: FaultProxy) -> list[dict[str, str]]:
     """The headers of every UploadPart request that went through ``proxy``, in order."""
-    return [headers for line, headers in proxy.counters.request_heads if line.startswith("PUT ") and "partNumber=" in line]
+    return [headers for line, headers in proxy.counters.request_heads
+            if line.startswith("PUT ") and "partNumber=" in line]
 
 
 def test_data_goes_unsigned_with_a_crc32_and_small_bodies_stay_signed(
@@ -39,7 +40,8 @@ def test_data_goes_unsigned_with_a_crc32_and_small_bodies_stay_signed(
     sent = parts(fault_proxy)
     assert len(sent) >= 2
     assert all(h["x-amz-content-sha256"] == "UNSIGNED-PAYLOAD" and h.get("x-amz-checksum-crc32") for h in sent)
-    manifest = [h for line, h in fault_proxy.counters.request_heads if line.startswith("PUT ") and "manifest.json" in line]
+    manifest = [h for line, h in fault_proxy.counters.request_heads
+                if line.startswith("PUT ") and "manifest.json" in line]
     assert manifest and all(SHA256_HEX.fullmatch(h["x-amz-content-sha256"]) for h in manifest)
     pulled = pull_newest(remote, tmp_path / "restore")
     assert pulled is not None and data_files_of(pulled.path) == data_files_of(ckpt.path)
