@@ -24,6 +24,7 @@ SIZES = {
     "100MB": "bench.models:mlp_100mb",
     "200MB": "bench.models:mlp_200mb",
     "400MB": "bench.models:mlp_400mb",
+    "600MB": "bench.models:mlp_600mb",
     "1GB": "bench.models:mlp_1gb",
     "mlp-large": "mlp-large",  # the built-in ~100M-parameter model: 1.2 GB of state
 }
@@ -43,6 +44,11 @@ def mlp_200mb() -> nn.Module:
 def mlp_400mb() -> nn.Module:
     """33.6M parameters: 403 MB of state."""
     return MLP(hidden=2048, depth=9)
+
+
+def mlp_600mb() -> nn.Module:
+    """50.3M parameters: 604 MB of state (issue 19's "600 MB CPU state")."""
+    return MLP(hidden=2048, depth=13)
 
 
 def mlp_1gb() -> nn.Module:

@@ -127,7 +127,7 @@ def measure(size: str, rounds: int, warmup: int, workdir: Path, settle: float) -
 
 def main(argv: list[str] | None = None) -> int:
     p = parser(__doc__)
-    p.add_argument("--sizes", default="400MB,1GB", help=f"comma-separated, of: {', '.join(SIZES)}")
+    p.add_argument("--sizes", default="600MB,1GB", help=f"comma-separated, of: {', '.join(SIZES)}")
     p.add_argument("--warmup", type=int, default=1, help="unmeasured rounds first")
     add_settle_option(p)
     add_threads_option(p)
