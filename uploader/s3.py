@@ -486,10 +486,9 @@ class S3Remote:
         should_abort = _either(failed, abort)
         upload_id = self._call(
             f"start multipart upload of {key}",
-            lambda: self._client.create_multipart_upload(
-                Bucket=self.bucket, Key=full, Metadata={DIGEST_METADATA: tagged(algorithm, digest)},
-                **self._transit.multipart_args(),
-            )["UploadId"],
+            lambda: self._transit.start(lambda client, checksum: client.create_multipart_upload(
+                Bucket=self.bucket, Key=full, Metadata={DIGEST_METADATA: tagged(algorithm, digest)}, **checksum,
+            ))["UploadId"],
             should_abort,
         )
         read = 0

@@ -16,7 +16,10 @@ multipart upload's completion) keep the signature: it costs nothing there.
 
 A server that does not know the header ignores it, and then does not echo it in its reply (AWS S3,
 MinIO, SeaweedFS and Ceph do echo it). Such a reply means the body went unverified: it is sent again,
-signed, and so is every later body on this remote; one warning says so.
+signed, and so is every later body on this remote; one warning says so. A server that refuses the
+header instead (501 NotImplemented, or 400 InvalidArgument / InvalidRequest) is treated the same way:
+the request is made again without it, signed; if that fails too, it fails for another reason and that
+error is what the caller sees.
 """
 from __future__ import annotations
 
@@ -27,6 +30,10 @@ import zlib
 from collections.abc import Callable
 from typing import Any
 
+from botocore.exceptions import ClientError
+
+from uploader.retry import error_code
+
 logger = logging.getLogger(__name__)
 
 Body = bytes | bytearray | memoryview
@@ -35,6 +42,8 @@ Body = bytes | bytearray | memoryview
 Request = Callable[[Any, dict[str, str]], dict[str, Any]]
 
 ALGORITHM = "CRC32"
+# How a server that does not support S3's checksums may refuse one (besides ignoring it).
+REFUSALS = frozenset({"NotImplemented", "InvalidArgument", "InvalidRequest"})
 
 
 def crc32_base64(body: Body) -> str:
@@ -56,20 +65,35 @@ class Transit:
         self._lock = threading.Lock()
         self.checksums = checksums
 
-    def multipart_args(self) -> dict[str, str]:
-        """For CreateMultipartUpload: the parts will carry CRC32s (S3 wants them announced)."""
-        return {"ChecksumAlgorithm": ALGORITHM} if self.checksums else {}
+    def start(self, request: Request) -> dict[str, Any]:
+        """CreateMultipartUpload: ``request`` with the parts' checksum announced (S3 wants it), or without."""
+        if not self.checksums:
+            return request(self._signed, {})
+        try:
+            return request(self._signed, {"ChecksumAlgorithm": ALGORITHM})
+        except ClientError as e:
+            if not _refused(e):
+                raise
+            self._stop_checksums(f"refused it ({error_code(e)[0]})")
+            return request(self._signed, {})
 
     def send(self, request: Request, body: Body) -> dict[str, Any]:
         """``request`` once, with the body's CRC32 if checksums are on; again, signed, if the server
-        showed it ignored the checksum. Call it inside the retry layer: a BadDigest is retried there."""
+        showed it ignored or refused the checksum. Call it inside the retry layer: a BadDigest is retried
+        there."""
         if not self.checksums:
             return request(self._signed, {})
         sent = crc32_base64(body)
-        reply = request(self._unsigned, {f"Checksum{ALGORITHM}": sent})
+        try:
+            reply = request(self._unsigned, {f"Checksum{ALGORITHM}": sent})
+        except ClientError as e:
+            if not _refused(e):
+                raise
+            self._stop_checksums(f"refused it ({error_code(e)[0]})")
+            return request(self._signed, {})
         if reply.get(f"Checksum{ALGORITHM}") == sent:
             return reply
-        self._stop_checksums()
+        self._stop_checksums("ignored it (its reply did not echo it)")
         return request(self._signed, {})
 
     def part_entry(self, reply: dict[str, Any]) -> dict[str, str]:
@@ -82,11 +106,16 @@ class Transit:
         if self._unsigned is not self._signed:
             self._unsigned.close()
 
-    def _stop_checksums(self) -> None:
+    def _stop_checksums(self, how: str) -> None:
         with self._lock:
             if not self.checksums:
                 return
             self.checksums = False
-        logger.warning("%s does not verify x-amz-checksum-crc32 (its reply did not echo it): checkpoint data "
-                       "is SHA-256-signed from now on, which costs more CPU on both sides; use HTTPS, or a "
-                       "server with S3's flexible checksums, to avoid that", self._where)
+        logger.warning("%s does not verify x-amz-checksum-crc32: it %s; checkpoint data is SHA-256-signed from "
+                       "now on, which costs more CPU on both sides; use HTTPS, or a server with S3's flexible "
+                       "checksums, to avoid that", self._where, how)
+
+
+def _refused(e: ClientError) -> bool:
+    code, status = error_code(e)
+    return status == 501 or code in REFUSALS

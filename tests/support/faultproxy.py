@@ -16,6 +16,9 @@ Faults can be switched while traffic flows:
   reach the server with the first byte of that body flipped (a bit error no TCP checksum caught);
 * ``strip_response_header(name)``: responses on connections opened from then on lose every header
   line called ``name``: a server that does not know that header;
+* ``refuse_header(prefix)``: requests with a header whose name starts with ``prefix`` are answered
+  ``501 Not Implemented`` (S3's ``NotImplemented``) without reaching the server: a server that
+  rejects what it does not support;
 * ``passthrough()``: no fault (a stripped header stays stripped).
 
 Requests are framed by parsing HTTP/1.1 heads and Content-Length (all the S3 SDK sends), so the proxy
@@ -42,6 +45,15 @@ SLOW_DOWN = (
     b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nConnection: close\r\n"
     b"Content-Length: " + str(len(SLOW_DOWN_BODY)).encode() + b"\r\n\r\n" + SLOW_DOWN_BODY
 )
+NOT_IMPLEMENTED_BODY = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n'
+    b"<Error><Code>NotImplemented</Code><Message>A header you provided implies functionality that is not "
+    b"implemented.</Message><RequestId>faultproxy</RequestId></Error>"
+)
+NOT_IMPLEMENTED = (
+    b"HTTP/1.1 501 Not Implemented\r\nContent-Type: application/xml\r\nConnection: close\r\n"
+    b"Content-Length: " + str(len(NOT_IMPLEMENTED_BODY)).encode() + b"\r\n\r\n" + NOT_IMPLEMENTED_BODY
+)
 BUFFER = 64 * 1024
 
 
@@ -52,6 +64,7 @@ class Counters:
     resets: int = 0
     slowdowns: int = 0
     corrupted: int = 0
+    refused: int = 0
     request_lines: list[str] = field(default_factory=list)
     request_heads: list[tuple[str, dict[str, str]]] = field(default_factory=list)  # line, lower-case headers
 
@@ -77,6 +90,7 @@ class FaultProxy:
         self._corrupt = 0
         self._corrupt_min_length = 1
         self._strip: bytes | None = None
+        self._refuse: str | None = None
         self._sockets: set[socket.socket] = set()
         self._listener = socket.create_server((LOOPBACK, 0))
         self.port = self._listener.getsockname()[1]
@@ -121,6 +135,10 @@ class FaultProxy:
         with self._lock:
             self._strip = name.lower().encode("latin-1")
 
+    def refuse_header(self, prefix: str) -> None:
+        with self._lock:
+            self._refuse = prefix.lower()
+
     def close(self) -> None:
         self._closed = True
         self._listener.close()
@@ -164,6 +182,13 @@ class FaultProxy:
                 self.counters.slowdowns += 1
                 return True
             return False
+
+    def _refuses(self, headers: dict[str, str]) -> bool:
+        with self._lock:
+            if self._refuse is None or not any(name.startswith(self._refuse) for name in headers):
+                return False
+            self.counters.refused += 1
+            return True
 
     def _take_corruption(self, length: int) -> bool:
         with self._lock:
@@ -230,11 +255,13 @@ class _Connection:
                     self.proxy.counters.request_lines.append(request_line)
                     self.proxy.counters.request_heads.append((request_line, headers))
                 self.methods.append(request_line.split(" ", 1)[0])
-                if self.proxy._take_slowdown():
-                    if "100-continue" not in headers.get("expect", "").lower():
-                        buf = self._discard(buf, length)
-                    self.client.sendall(SLOW_DOWN)
-                    return self._finish()
+                for answer, refused in ((SLOW_DOWN, self.proxy._take_slowdown),
+                                        (NOT_IMPLEMENTED, lambda: self.proxy._refuses(headers))):
+                    if refused():
+                        if "100-continue" not in headers.get("expect", "").lower():
+                            buf = self._discard(buf, length)
+                        self.client.sendall(answer)
+                        return self._finish()
                 self._forward(self.upstream, head)
                 flip = self.proxy._take_corruption(length)
                 body, buf = buf[:length], buf[length:]

@@ -86,6 +86,24 @@ def test_a_server_that_ignores_the_checksum_gets_signed_bodies_instead(
     assert pulled is not None and pulled.step == 20
 
 
+def test_a_server_that_refuses_the_checksum_gets_signed_bodies_instead(
+        fault_proxy: FaultProxy, s3_bucket: Bucket, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """501 NotImplemented for any x-amz-checksum-* header (the multipart upload's announcement first):
+    the request is made again without it, signed; one warning; the checkpoint is whole."""
+    fault_proxy.refuse_header("x-amz-checksum-")
+    ckpt = make_checkpoint(tmp_path / "local", 10, WITH_LARGE_FILE)
+    remote = via(fault_proxy, s3_bucket)
+
+    with caplog.at_level(logging.WARNING, logger="uploader.transit"):
+        push(ckpt, remote, keep=3)
+
+    assert fault_proxy.counters.refused >= 1
+    assert caplog.text.count("does not verify x-amz-checksum-crc32: it refused it (NotImplemented)") == 1
+    assert all(SHA256_HEX.fullmatch(h["x-amz-content-sha256"]) for h in parts(fault_proxy))
+    pulled = pull_newest(remote, tmp_path / "restore")
+    assert pulled is not None and data_files_of(pulled.path) == data_files_of(ckpt.path)
+
+
 def test_crc32_is_s3s_encoding() -> None:
     """Big-endian, base64, as S3 documents x-amz-checksum-crc32: the standard check value of CRC-32."""
     assert crc32_base64(b"123456789") == "y/Q5Jg=="  # 0xCBF43926
