@@ -36,24 +36,18 @@ from dataclasses import dataclass, field
 
 from tests.support.s3server import LOOPBACK
 
-SLOW_DOWN_BODY = (
-    b'<?xml version="1.0" encoding="UTF-8"?>\n'
-    b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message>"
-    b"<RequestId>faultproxy</RequestId></Error>"
-)
-SLOW_DOWN = (
-    b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nConnection: close\r\n"
-    b"Content-Length: " + str(len(SLOW_DOWN_BODY)).encode() + b"\r\n\r\n" + SLOW_DOWN_BODY
-)
-NOT_IMPLEMENTED_BODY = (
-    b'<?xml version="1.0" encoding="UTF-8"?>\n'
-    b"<Error><Code>NotImplemented</Code><Message>A header you provided implies functionality that is not "
-    b"implemented.</Message><RequestId>faultproxy</RequestId></Error>"
-)
-NOT_IMPLEMENTED = (
-    b"HTTP/1.1 501 Not Implemented\r\nContent-Type: application/xml\r\nConnection: close\r\n"
-    b"Content-Length: " + str(len(NOT_IMPLEMENTED_BODY)).encode() + b"\r\n\r\n" + NOT_IMPLEMENTED_BODY
-)
+
+def s3_error(status: str, code: str, message: str) -> bytes:
+    """A whole S3 error response (XML body), closing the connection."""
+    body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code><Message>{message}</Message>'
+            "<RequestId>faultproxy</RequestId></Error>").encode()
+    return (f"HTTP/1.1 {status}\r\nContent-Type: application/xml\r\nConnection: close\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+SLOW_DOWN = s3_error("503 Slow Down", "SlowDown", "Please reduce your request rate.")
+NOT_IMPLEMENTED = s3_error("501 Not Implemented", "NotImplemented",
+                           "A header you provided implies functionality that is not implemented.")
 BUFFER = 64 * 1024
 
 
