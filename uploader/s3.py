@@ -136,16 +136,18 @@ def make_client(config: UploadConfig, sign_payload: bool | None = None) -> Any:
             user_agent_extra="spot-trainer-uploader",
         ))
 
-    client = client_with({})
-    if sign_payload is None:
+    if sign_payload is not None:
+        client = client_with({} if sign_payload else {"payload_signing_enabled": False})
+    else:
+        client = client_with({})  # the endpoint may come from the environment: the client resolves it
         # Without the SDK's flexible checksums botocore SHA-256-signs every request body, even over TLS:
         # ~0.6 CPU-seconds per GiB uploaded. Over HTTPS the body is protected in transit by TLS and end to
         # end by our own digests, so send it as UNSIGNED-PAYLOAD, as the SDK does with its checksums on.
         # Over plain HTTP (a local MinIO) the signature protects small bodies in transit, as botocore and
         # MinIO's own SDK (minio-go signs bodies unless the connection is TLS) do; large ones: uploader.transit.
-        sign_payload = not client.meta.endpoint_url.startswith("https://")
-    if not sign_payload:
-        client = client_with({"payload_signing_enabled": False})
+        if client.meta.endpoint_url.startswith("https://"):
+            client.close()
+            client = client_with({"payload_signing_enabled": False})
     _track_connections(client)
     return client
 
@@ -242,11 +244,12 @@ class S3Remote:
 
     def _data_path(self, own_client: bool) -> Transit:
         """How the checkpoint's data goes up (uploader.transit): over plain HTTP, unsigned with a CRC32 the
-        server checks, through a second client; a client passed in sends everything, as it is configured."""
+        server checks, through a second client made at the first upload (a remote that only reads never
+        needs it); a client passed in sends everything, as it is configured."""
         https = str(self._client.meta.endpoint_url).startswith("https://")
         if https or not own_client:
-            return Transit(self._client, self._client, checksums=False, where=self.describe())
-        return Transit(make_client(self.config, sign_payload=False), self._client, checksums=True,
+            return Transit(self._client, None, where=self.describe())
+        return Transit(self._client, functools.partial(make_client, self.config, sign_payload=False),
                        where=self.describe())
 
     @property

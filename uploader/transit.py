@@ -54,46 +54,38 @@ def crc32_base64(body: Body) -> str:
 class Transit:
     """Sends the data bodies of one remote: checksummed and unsigned, or signed (see the module docstring).
 
-    ``unsigned`` and ``signed`` are clients of the same endpoint; over HTTPS they are one and the same
-    and ``checksums`` is False.
+    ``signed`` is the remote's client; ``make_unsigned`` makes a second one of the same endpoint that
+    sends bodies as UNSIGNED-PAYLOAD, at the first body that needs it. None: ``signed`` sends everything
+    as it is configured (HTTPS: unsigned already), with no checksum.
     """
 
-    def __init__(self, unsigned: Any, signed: Any, checksums: bool, where: str) -> None:
-        self._unsigned = unsigned
+    def __init__(self, signed: Any, make_unsigned: Callable[[], Any] | None, where: str) -> None:
         self._signed = signed
+        self._make_unsigned = make_unsigned
+        self._unsigned: Any = None
         self._where = where
         self._lock = threading.Lock()
-        self.checksums = checksums
+        self.checksums = make_unsigned is not None
 
     def start(self, request: Request) -> dict[str, Any]:
         """CreateMultipartUpload: ``request`` with the parts' checksum announced (S3 wants it), or without."""
-        if not self.checksums:
-            return request(self._signed, {})
-        try:
-            return request(self._signed, {"ChecksumAlgorithm": ALGORITHM})
-        except ClientError as e:
-            if not _refused(e):
-                raise
-            self._stop_checksums(f"refused it ({error_code(e)[0]})")
-            return request(self._signed, {})
+        if self.checksums:
+            reply = self._unless_refused(request, self._signed, {"ChecksumAlgorithm": ALGORITHM})
+            if reply is not None:
+                return reply
+        return request(self._signed, {})
 
     def send(self, request: Request, body: Body) -> dict[str, Any]:
         """``request`` once, with the body's CRC32 if checksums are on; again, signed, if the server
         showed it ignored or refused the checksum. Call it inside the retry layer: a BadDigest is retried
         there."""
-        if not self.checksums:
-            return request(self._signed, {})
-        sent = crc32_base64(body)
-        try:
-            reply = request(self._unsigned, {f"Checksum{ALGORITHM}": sent})
-        except ClientError as e:
-            if not _refused(e):
-                raise
-            self._stop_checksums(f"refused it ({error_code(e)[0]})")
-            return request(self._signed, {})
-        if reply.get(f"Checksum{ALGORITHM}") == sent:
-            return reply
-        self._stop_checksums("ignored it (its reply did not echo it)")
+        if self.checksums:
+            sent = crc32_base64(body)
+            reply = self._unless_refused(request, self._unsigned_client(), {f"Checksum{ALGORITHM}": sent})
+            if reply is not None and reply.get(f"Checksum{ALGORITHM}") == sent:
+                return reply
+            if reply is not None:
+                self._stop_checksums("ignored it (its reply did not echo it)")
         return request(self._signed, {})
 
     def part_entry(self, reply: dict[str, Any]) -> dict[str, str]:
@@ -102,9 +94,26 @@ class Transit:
         return {f"Checksum{ALGORITHM}": value} if value else {}
 
     def close(self) -> None:
-        """The second client, if there is one (the caller closes the one it gave for signing)."""
-        if self._unsigned is not self._signed:
+        """The second client, if it was made (the caller closes the one it gave for signing)."""
+        if self._unsigned is not None:
             self._unsigned.close()
+
+    def _unsigned_client(self) -> Any:
+        with self._lock:
+            if self._unsigned is None:
+                assert self._make_unsigned is not None  # checksums are on only with it
+                self._unsigned = self._make_unsigned()
+            return self._unsigned
+
+    def _unless_refused(self, request: Request, client: Any, checksum: dict[str, str]) -> dict[str, Any] | None:
+        """``request`` with ``checksum``; None, and checksums off from now on, if the server refused it."""
+        try:
+            return request(client, checksum)
+        except ClientError as e:
+            if not _refused(e):
+                raise
+            self._stop_checksums(f"refused it ({error_code(e)[0]})")
+            return None
 
     def _stop_checksums(self, how: str) -> None:
         with self._lock:
