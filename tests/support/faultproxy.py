@@ -59,8 +59,11 @@ class Counters:
     slowdowns: int = 0
     corrupted: int = 0
     refused: int = 0
-    request_lines: list[str] = field(default_factory=list)
     request_heads: list[tuple[str, dict[str, str]]] = field(default_factory=list)  # line, lower-case headers
+
+    @property
+    def request_lines(self) -> list[str]:
+        return [line for line, _ in self.request_heads]
 
 
 class _Reset(Exception):
@@ -228,7 +231,7 @@ class _Connection:
         self.fast_left = 0  # response bytes still forwarded at full speed under the current trickle
         with proxy._lock:
             self.strip = proxy._strip
-        self.methods: collections.deque[str] = collections.deque()  # of requests not answered yet (strip mode)
+        self.methods: collections.deque[str] = collections.deque()  # requests not answered yet (strip mode only)
 
     def pump_requests(self) -> None:
         buf = b""
@@ -246,9 +249,9 @@ class _Connection:
                 length = int(headers.get("content-length", "0"))
                 with self.proxy._lock:
                     self.proxy.counters.requests += 1
-                    self.proxy.counters.request_lines.append(request_line)
                     self.proxy.counters.request_heads.append((request_line, headers))
-                self.methods.append(request_line.split(" ", 1)[0])
+                if self.strip is not None:
+                    self.methods.append(request_line.split(" ", 1)[0])
                 for answer, refused in ((SLOW_DOWN, self.proxy._take_slowdown),
                                         (NOT_IMPLEMENTED, lambda: self.proxy._refuses(headers))):
                     if refused():
