@@ -95,6 +95,7 @@ def measure(size: str, rounds: int, warmup: int, workdir: Path, settle: float) -
 
     sources = tensors_of(state.state_dict())
     copies = [torch.empty_like(t) for t in sources]
+    plain_trainer = Trainer(run, cfg.eval_interval, cfg.log_interval, after_step=lambda s, e: None)
 
     def copy_only() -> dict[str, float]:
         def copy_all() -> None:
@@ -103,16 +104,15 @@ def measure(size: str, rounds: int, warmup: int, workdir: Path, settle: float) -
                 buf.copy_(src)
 
         started = time.perf_counter()
-        trainer.train_step(to_device(next(stream), run.device))
+        plain_trainer.train_step(to_device(next(stream), run.device))
         plain = time.perf_counter()
         copier = threading.Thread(target=copy_all, name="bench-copy")
         copier.start()
-        trainer.train_step(to_device(next(stream), run.device))
+        plain_trainer.train_step(to_device(next(stream), run.device))
         done = time.perf_counter()
         copier.join()
         return {"plain": plain - started, "around": done - plain, "stall": 0.0}
 
-    trainer = Trainer(run, cfg.eval_interval, cfg.log_interval, after_step=lambda s, e: None)
     arms = {"pipelined": arm("pipelined", pipelined_rule), "at_once": arm("at_once", nothing_later), "sync": sync,
             "copy_only": copy_only}
     results = interleaved(arms, rounds=rounds, warmup=warmup, log=progress, settle=settle)

@@ -70,6 +70,11 @@ class Life:
     reason: str | None
     final_save_s: float
 
+    @property
+    def checkpoints_taken(self) -> int:
+        """Listed one by one, and summed up (older ones)."""
+        return len(self.checkpoints) + self.checkpoints_dropped
+
 
 @dataclass
 class LifeCost:

@@ -55,7 +55,7 @@ def as_text(per_life: list[LifeCost], skipped: list[str]) -> str:
         end = {"finished": "finished", "killed": "unknown: killed", "failed": f"failed (exit {life.exit_code})",
                "preempted": f"preempted ({life.reason or 'SIGTERM'})"}[life.end]
         rows.append((life.life, life.host[:20], _utc(life.started), start, f"{life.from_step}-{life.last_step}",
-                     str(len(life.checkpoints) + life.checkpoints_dropped), f"{c.seconds['startup'] + c.seconds['restore']:.1f}", end,
+                     str(life.checkpoints_taken), f"{c.seconds['startup'] + c.seconds['restore']:.1f}", end,
                      f"{'' if c.lost_known else '>='}{c.lost_steps}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
@@ -126,7 +126,7 @@ def _svg(width: int, height: int, parts: list[str]) -> str:
 
 def _life_json(life: Life) -> dict[str, Any]:
     doc = asdict(life)
-    doc["checkpoints"] = len(life.checkpoints) + life.checkpoints_dropped
+    doc["checkpoints"] = life.checkpoints_taken
     del doc["checkpoints_dropped"]
     # Start-up split: building (process start to model built), the pull (alongside the build), and the
     # restore the first step waited for after the build (the rest of the pull, then loading).
