@@ -9,8 +9,8 @@ steps), each round timing one plain step, then ``save_async`` plus the next step
 * ``at_once``: the same Checkpointer with nothing left for later (every tensor copied inside
   ``save_async``, as before the pipelining).
 * ``sync``: ``torch.save(state.state_dict())`` + fsync, the synchronous save the target is relative to.
-* ``copy_only``: no checkpoint: a thread (at the writer's priority) copies every tensor of the state
-  once into reused buffers while the next step runs. The floor of any design that copies the state
+* ``copy_only``: no checkpoint: a thread (at the writer's priority, alone as the writer copies) copies
+  every tensor of the state once into reused buffers while the next step runs. The floor of any design that copies the state
   while training goes on: on a CPU the copy and the step share the memory bus, however many cores
   there are, so this is what "the copy overlaps the step" costs here.
 
@@ -47,6 +47,7 @@ TARGET = 0.05
 
 def measure(size: str, rounds: int, warmup: int, workdir: Path, settle: float) -> dict[str, float]:
     import job.checkpoint as checkpoint
+    import job.snapshot as snapshot
     from job.checkpoint import Checkpointer
     from job.loop import Trainer, to_device
 
@@ -101,7 +102,7 @@ def measure(size: str, rounds: int, warmup: int, workdir: Path, settle: float) -
         def copy_all() -> None:
             checkpoint._yield_cpu_to_training()
             for buf, src in zip(copies, sources):
-                buf.copy_(src)
+                snapshot.copy_into(buf, src, alone=True)
 
         started = time.perf_counter()
         plain_trainer.train_step(to_device(next(stream), run.device))

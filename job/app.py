@@ -107,8 +107,16 @@ class CheckpointCadence:
         self._clock = time.monotonic()
 
     def kept_step(self) -> int | None:
-        """The newest checkpoint that is durable now: the last one taken, unless it is still being written."""
-        return self._previous_step if self.checkpointer.in_flight() else self.last_step
+        """The newest checkpoint that is durable now: the last one taken, unless it is still being written.
+        Committed, it counts even while its thread finishes (on_commit, the prune): naming the one before
+        would leave a sidecar free to stop short of it."""
+        return self._previous_step if self.writing_step() is not None else self.last_step
+
+    def writing_step(self) -> int | None:
+        """The step of the checkpoint still being written, not yet committed: it may still land."""
+        if self.checkpointer.in_flight() and self.checkpointer.last_committed != self.last_step:
+            return self.last_step
+        return None
 
     def saved_now(self, state: State) -> bool:
         return self.last_step == state.timer.batch.value
@@ -170,14 +178,15 @@ def _stop_for_preemption(state: State, cadence: CheckpointCadence, store: Remote
         durable = True
     # From here on nothing is pruned, so the checkpoint the event names is on disk for the next start.
     cadence.checkpointer.freeze_retention()
-    if not durable:
-        event(logger, "grace_too_short", level=logging.WARNING, step=step, seconds_left=round(stop.time_left(), 1),
-              seconds_needed=round(needed, 1), kept_step=cadence.kept_step(),
-              message="no time for a final checkpoint; exiting before the kill with the previous one")
+    writing = cadence.writing_step()  # before kept: a write that commits in between is named by one of the two
     kept = cadence.kept_step()
     if distributed.rank() == 0 and kept is not None and not cadence.checkpointer.committed(kept):
         # The write in flight committed, and pruned the one before it, just before the freeze.
         kept = cadence.last_step
+    if not durable:
+        event(logger, "grace_too_short", level=logging.WARNING, step=step, seconds_left=round(stop.time_left(), 1),
+              seconds_needed=round(needed, 1), kept_step=kept,
+              message="no time for a final checkpoint; exiting before the kill with the previous one")
     uploaded: bool | None = None  # null in the event: this job does not upload (no remote, sidecar, off)
     if store is not None and store.uploads and kept is not None:
         uploaded = store.wait(_until_exit(stop))
@@ -187,7 +196,8 @@ def _stop_for_preemption(state: State, cadence: CheckpointCadence, store: Remote
     distributed.barrier()
     if kept is not None and distributed.node_leader():  # every node's sidecar may leave
         local.mark_finished(cadence.checkpointer.folder, kept, reason="preempted")
-    event(logger, "preempted", step=step, checkpoint_step=kept, uploaded=uploaded, reason=stop.reason)
+    event(logger, "preempted", step=step, checkpoint_step=kept, writing_step=writing if writing != kept else None,
+          uploaded=uploaded, reason=stop.reason)
 
 
 def _mark_failed(folder: Path) -> None:

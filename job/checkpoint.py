@@ -50,8 +50,8 @@ class Checkpointer:
     ``save_async`` is the cheap path for periodic checkpoints: it blocks only for the copy into
     reused host buffers (job.snapshot) and writes in a background thread. The parameters and the
     optimizer state are copied by that thread, before it writes, while the next step runs its forward
-    and backward: the loop calls :meth:`before_update` right before its optimizer step, which blocks
-    only while that copy is still running (job.snapshot's rule). At most one checkpoint is
+    and backward: the loop calls :meth:`before_update` right before its optimizer step, which copies
+    what that thread has not started and waits for the rest (job.snapshot's rule). At most one checkpoint is
     in flight; when the next is due before the last is durable, ``save_async`` returns False without
     doing anything, and the caller tries again after the next step: the loop never waits on the disk
     and never touches buffers that are being written. ``save`` is the durable path (end of training,
@@ -90,6 +90,7 @@ class Checkpointer:
         self._host_shards = HostStaging(pin_memory)
         self._pending: _ShardedSave | None = None  # the sharded checkpoint in flight, on every rank alike
         self._writer: threading.Thread | None = None
+        self.last_committed: int | None = None  # the step this process committed last (its writer may still run)
         self._deferred: Deferred | None = None  # the parameters and optimizer state the writer still copies
         self._reserving: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -151,8 +152,8 @@ class Checkpointer:
 
     def before_update(self) -> None:
         """Right before the optimizer step (or anything else that writes the parameters or the optimizer
-        state): block while the checkpoint in flight still copies them; the time blocked counts in
-        ``last_stall_seconds``. Nothing at all when no copy is running."""
+        state): finish the copy of them the checkpoint in flight has not finished, here, with training's
+        threads; the time it takes counts in ``last_stall_seconds``. Nothing at all when no copy is running."""
         deferred = self._deferred
         if deferred is None or deferred.done.is_set():
             self._deferred = None
@@ -413,8 +414,9 @@ class Checkpointer:
     def _write_in_background(self, tree: Any, ready: Any, deferred: Deferred, step: int,
                              timer: dict[str, int]) -> None:
         try:
-            deferred.run()  # at training's priority: the next optimizer step waits for it
-            _yield_cpu_to_training()
+            _yield_cpu_to_training()  # the copy too: before_update takes over what is left of it
+            if not deferred.run():
+                return  # a copy failed in the training thread and was raised there: nothing whole to write
             if ready is not None:
                 ready.synchronize()
             self._write(tree, step, timer)
@@ -440,6 +442,7 @@ class Checkpointer:
     def _commit(self, staging: Path, manifest: Manifest, started: float) -> local.LocalCheckpoint:
         """Manifest last, rename, prune, report: the checkpoint counts from here on."""
         ckpt = local.commit(staging, manifest)
+        self.last_committed = manifest.step
         with self._retention:
             if not self._retention_frozen:
                 local.prune(self.folder, self.keep, manifest.step, protect=self.protect())

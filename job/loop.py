@@ -61,7 +61,7 @@ class Trainer:
     """Runs optimizer steps until max_duration, or until ``should_stop(state)`` says so after a step.
 
     ``before_update`` runs right before each optimizer step: a checkpoint still copying the parameters
-    and optimizer state in the background is waited for there (Checkpointer.before_update)."""
+    and optimizer state in the background is finished there (Checkpointer.before_update)."""
 
     def __init__(self, run: Run, eval_interval: Interval, log_interval: int,
                  after_step: Callable[[State, bool], None],

@@ -21,13 +21,19 @@ The rule (:func:`written_by_update`), on ``State.state_dict()``'s layout:
 
 This holds while nothing but the optimizer step writes parameters or optimizer state between two
 steps (zero_grad, forward, backward, DDP's all-reduce and evaluation do not); anything else that does
-must call ``block_writes`` first. On CPU a thread copies (torch's copy releases the GIL); on CUDA the
-copies are issued at once on a side stream that first waits for the current one, and ``block_writes``
-makes the current stream wait for the side stream's event: the host does not block.
+must call ``block_writes`` first. On CUDA the copies are issued at once on a side stream that first
+waits for the current one, and ``block_writes`` makes the current stream wait for the side stream's
+event: the host does not block. On CPU the writer's thread copies, one tensor at a time, at the writer's
+priority and alone (one memmove, no OpenMP team of its own): it takes the CPU training leaves idle, not
+cores from training's own threads. If the loop reaches ``block_writes`` first, it copies the tensors not
+yet started itself, with all of its threads, and waits only for the one in progress. (BENCHMARKS.md,
+eleventh session: 600 MB of state, two training threads on two cores, a copy at training's priority
+on a team of its own cost the steps around a checkpoint +215 ms; this way, +65 ms.)
 """
 from __future__ import annotations
 
 import copy
+import ctypes
 import threading
 from typing import Any, Callable, Iterable
 
@@ -51,42 +57,90 @@ def written_by_update(optimizers: Iterable[torch.optim.Optimizer]) -> Later:
     return later
 
 
-def copy_into(buf: torch.Tensor, src: torch.Tensor) -> None:
-    """One deferred copy (the tests hold it to show what runs meanwhile)."""
-    buf.copy_(src, non_blocking=buf.is_pinned())
+def copy_into(buf: torch.Tensor, src: torch.Tensor, alone: bool = False) -> None:
+    """One deferred copy (the tests hold it to show what runs meanwhile).
+
+    ``alone``: from a thread other than training's, on the CPU. torch's copy would run on an OpenMP team
+    of this thread's own, as large as training's; where training's threads already fill the cores, the
+    extra ones take cores from training's team, which then waits at each barrier for the thread they
+    displaced. A memmove in this thread copies the same bytes."""
+    if alone and _same_bytes(buf, src):
+        ctypes.memmove(buf.data_ptr(), src.data_ptr(), buf.numel() * buf.element_size())  # releases the GIL
+    else:
+        buf.copy_(src, non_blocking=buf.is_pinned())
+
+
+def _same_bytes(buf: torch.Tensor, src: torch.Tensor) -> bool:
+    """Whether copying the bytes gives what ``buf.copy_(src)`` gives: both dense in host memory, the same
+    dtype and shape, and no lazy conjugation or negation on ``src``."""
+    return (buf.device.type == "cpu" and src.device.type == "cpu" and buf.dtype == src.dtype
+            and buf.shape == src.shape and src.layout == torch.strided and not src.is_quantized
+            and buf.is_contiguous() and src.is_contiguous() and not src.is_conj() and not src.is_neg())
 
 
 class Deferred:
-    """The copies :meth:`HostSnapshot.capture_pipelined` left for later; ``run`` them in a thread."""
+    """The copies :meth:`HostSnapshot.capture_pipelined` left for later: the writer's thread ``run``s
+    them; the training thread, in ``block_writes``, takes over the ones not yet started (module docstring)."""
 
     def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], event: torch.cuda.Event | None) -> None:
         self._pairs = pairs  # (buffer, source); on CUDA held until the side stream is done with the sources
         self._event = event  # CUDA: recorded on the side stream after its copies
-        self.done = threading.Event()
+        self._lock = threading.Lock()
+        self._taken = 0  # pairs[:taken] are copied or being copied, by one thread or the other
+        self._left = len(pairs)  # pairs not copied yet
+        self._failed = False
+        self.done = threading.Event()  # every copy is over (or one failed)
         if not pairs:
             self.done.set()
 
-    def run(self) -> None:
-        """In a background thread: the copies (CUDA: wait for the side stream's); ``done`` when they are over."""
-        try:
-            if self._event is not None:
+    def run(self) -> bool:
+        """In the writer's thread: the copies (CUDA: wait for the side stream's). False when one failed in
+        the training thread, which raised it there: the snapshot is incomplete and must not be written."""
+        if self._event is not None:
+            try:
                 self._event.synchronize()
-            else:
-                for buf, src in self._pairs:
-                    copy_into(buf, src)
-        finally:
-            self._pairs = []
-            self.done.set()
+            finally:
+                self._pairs = []
+                self.done.set()
+            return True
+        self._copy_until_none_left(alone=True)
+        self.done.wait()  # for the ones the training thread took
+        return not self._failed
 
     def block_writes(self) -> None:
-        """In the training thread, before anything writes the sources: block until the copies are done
-        (CUDA: the current stream waits for them, the host does not)."""
+        """In the training thread, before anything writes the sources: copy the tensors no thread has
+        started, then block until the rest are done (CUDA: the current stream waits, the host does not)."""
         if self.done.is_set():
             return
         if self._event is not None:
             torch.cuda.current_stream().wait_event(self._event)
-        else:
-            self.done.wait()
+            return
+        self._copy_until_none_left(alone=False)
+        self.done.wait()
+
+    def _copy_until_none_left(self, alone: bool) -> None:
+        try:
+            while (pair := self._take()) is not None:
+                copy_into(*pair, alone=alone)
+                self._copied()
+        except BaseException:
+            with self._lock:
+                self._failed = True
+                self.done.set()
+            raise
+
+    def _take(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        with self._lock:
+            if self._failed or self._taken == len(self._pairs):
+                return None
+            self._taken += 1
+            return self._pairs[self._taken - 1]
+
+    def _copied(self) -> None:
+        with self._lock:
+            self._left -= 1
+            if self._left == 0:
+                self.done.set()
 
 
 class HostSnapshot:

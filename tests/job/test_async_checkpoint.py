@@ -8,11 +8,12 @@ import errno
 import os
 import threading
 import time
+from typing import Any, Callable
 
 import pytest
 import torch
 
-from job.app import train
+from job.app import CheckpointCadence, train
 from job.build import build
 from job.checkpoint import WRITER_NICE, Checkpointer, load_state_file
 from job import snapshot
@@ -53,10 +54,10 @@ def held_copy(monkeypatch):
     started, opened = threading.Event(), threading.Event()
     real = snapshot.copy_into
 
-    def held(buf, src):
+    def held(buf, src, alone=False):
         started.set()
         assert opened.wait(30)
-        real(buf, src)
+        real(buf, src, alone)
 
     monkeypatch.setattr(snapshot, "copy_into", held)
     return started, opened
@@ -163,18 +164,20 @@ def test_a_failing_loop_lets_the_checkpoint_in_flight_finish_before_it_raises(tm
     assert [c.step for c in local.list_committed(tmp_path)] == [10]
 
 
-def test_the_background_writer_yields_the_cpu_to_training(run, tmp_path, gate):
+def test_the_background_writer_yields_the_cpu_to_training_from_its_first_copy_on(run, tmp_path, held_copy):
+    copying, release = held_copy
+    trainer, batches = _after_one_step(run)  # the AdamW moments exist: there is a copy to hold
     ckpt = Checkpointer(tmp_path, keep=3, meta={})
     main_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    assert ckpt.save_async(run.state) is True  # held in commit: the writer thread is alive
+    assert ckpt.save_async(run.state) is True
+    assert copying.wait(30)  # the writer thread is in its first copy of a parameter
     writer = ckpt._writer
     assert writer is not None and writer.native_id is not None
     try:
-        wait_until(lambda: os.getpriority(os.PRIO_PROCESS, writer.native_id) == main_nice + WRITER_NICE,
-                   what="the writer thread's nice value")
+        assert os.getpriority(os.PRIO_PROCESS, writer.native_id) == main_nice + WRITER_NICE
         assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main_nice  # training's is unchanged
     finally:
-        gate.set()
+        release.set()
     assert ckpt.wait(30)
 
 
@@ -196,8 +199,66 @@ def test_a_stop_at_the_step_of_a_checkpoint_in_flight_waits_no_longer_than_the_g
     assert [c.step for c in local.list_committed(tmp_path)] == [10]
 
 
+def test_a_stop_names_the_checkpoint_committed_even_while_its_writer_still_runs(run, tmp_path, monkeypatch):
+    """Between its commit and its thread's end (on_commit hands it to the upload, then the prune) the
+    checkpoint is durable: a stop must name it, not the one before, which a sidecar would stop short at."""
+    commit_open, committing, leave = threading.Event(), threading.Event(), threading.Event()
+    real = local.commit
+
+    def held_commit(staging, manifest):
+        if manifest.step == 2:
+            assert commit_open.wait(30)
+        return real(staging, manifest)
+
+    def on_commit(checkpoint):
+        if checkpoint.step == 2:
+            committing.set()
+            assert leave.wait(30)
+
+    monkeypatch.setattr(local, "commit", held_commit)
+    ckpt = Checkpointer(tmp_path, keep=3, meta={}, on_commit=on_commit)
+    cadence = CheckpointCadence(ckpt, ckpt_config(tmp_path))
+    trainer, batches = _after_one_step(run, ckpt.before_update)
+    cadence.take(run.state)  # step 1
+    assert ckpt.wait(30)
+    trainer.train_step(to_device(next(batches), run.device))
+    cadence.take(run.state)  # step 2: held before its commit
+    try:
+        assert (cadence.writing_step(), cadence.kept_step()) == (2, 1)
+        commit_open.set()
+        assert committing.wait(30)
+        assert ckpt.in_flight()  # its thread is still in on_commit...
+        assert (cadence.writing_step(), cadence.kept_step()) == (None, 2)  # ...and it is the one kept
+    finally:
+        commit_open.set()
+        leave.set()
+    assert ckpt.wait(30)
+
+
 def _optimizer_state(state: State) -> dict:
     return {(i, k): v.clone() for i, s in state.optimizers[0].state_dict()["state"].items() for k, v in s.items()}
+
+
+def _after_one_step(run, before_update: Callable[[], None] = lambda: None) -> tuple[Trainer, Any]:
+    """A trainer of ``run`` that has taken its first step (the AdamW moments exist), and the batches after it."""
+    trainer = Trainer(run, Interval.parse("1000ba"), log_interval=10 ** 9, after_step=lambda state, ended: None,
+                      before_update=before_update)
+    run.sampler.set_epoch(0, 0)
+    batches = iter(run.state.train_dataloader)
+    trainer.train_step(to_device(next(batches), run.device))
+    return trainer, batches
+
+
+def _assert_saved_is(folder, model: dict, optimizer: dict, state: State) -> None:
+    """The newest checkpoint in ``folder`` holds exactly these parameters and optimizer state."""
+    saved = load_state_file(local.list_committed(folder)[-1].path)
+    assert saved["model"].keys() == model.keys()
+    for name, tensor in model.items():
+        assert torch.equal(saved["model"][name], tensor), name
+    saved_optimizer = saved["optimizers"][type(state.optimizers[0]).__qualname__]["state"]
+    assert {(i, k) for i, s in saved_optimizer.items() for k in s} == optimizer.keys()
+    for (i, k), tensor in optimizer.items():
+        assert torch.equal(saved_optimizer[i][k], tensor), (i, k)
 
 
 def test_the_next_forward_and_backward_run_while_the_parameters_are_copied_and_the_optimizer_step_waits(
@@ -211,17 +272,12 @@ def test_the_next_forward_and_backward_run_while_the_parameters_are_copied_and_t
         reached_update.set()
         ckpt.before_update()
 
-    trainer = Trainer(run, Interval.parse("1000ba"), log_interval=10 ** 9, after_step=lambda state, ended: None,
-                      before_update=before_update)
+    trainer, batches = _after_one_step(run, before_update)
     forwards = []
     state.model.register_forward_hook(lambda module, args, out: forwards.append(out.detach().clone()))
-    run.sampler.set_epoch(0, 0)
-    batches = iter(state.train_dataloader)
-    trainer.train_step(to_device(next(batches), run.device))  # step 1: the AdamW moments exist
     model_at_1, optimizer_at_1 = {k: v.clone() for k, v in state.model.state_dict().items()}, _optimizer_state(state)
     assert optimizer_at_1
     reached_update.clear()
-    forwards.clear()
 
     assert ckpt.save_async(state) is True  # returns with the copy of the parameters held
     assert copying.wait(30)
@@ -239,14 +295,126 @@ def test_the_next_forward_and_backward_run_while_the_parameters_are_copied_and_t
     assert not step_2.is_alive() and state.timer.batch.value == 2
     assert any(not torch.equal(v, model_at_1[k]) for k, v in state.model.state_dict().items())  # it stepped
     assert ckpt.wait(30)
-    saved = load_state_file(local.list_committed(tmp_path)[-1].path)
-    assert saved["model"].keys() == model_at_1.keys()
-    for name, tensor in model_at_1.items():
-        assert torch.equal(saved["model"][name], tensor), name
-    saved_optimizer = saved["optimizers"][type(state.optimizers[0]).__qualname__]["state"]
-    assert {(i, k) for i, s in saved_optimizer.items() for k in s} == optimizer_at_1.keys()
-    for (i, k), tensor in optimizer_at_1.items():
-        assert torch.equal(saved_optimizer[i][k], tensor), (i, k)
+    _assert_saved_is(tmp_path, model_at_1, optimizer_at_1, state)
+
+
+@pytest.fixture
+def writer_held_in_its_first_copy(monkeypatch):
+    """The writer thread's first deferred copy waits until the test opens it; the training thread's copies
+    are recorded, and raise ``fail_loop`` when set: (writer copying, open it, copies by the loop, fail_loop)."""
+    started, opened = threading.Event(), threading.Event()
+    by_loop: list[torch.Tensor] = []
+    fail_loop: list[BaseException] = []
+    real = snapshot.copy_into
+
+    def copy(buf, src, alone=False):
+        if alone:
+            assert threading.current_thread() is not threading.main_thread()
+            if not started.is_set():
+                started.set()
+                assert opened.wait(30)
+        else:
+            assert threading.current_thread() is threading.main_thread()
+            if fail_loop:
+                raise fail_loop[0]
+            by_loop.append(src)
+        real(buf, src, alone)
+
+    monkeypatch.setattr(snapshot, "copy_into", copy)
+    return started, opened, by_loop, fail_loop
+
+
+def _deferred_count(state: State) -> int:
+    """How many tensors job.snapshot's rule leaves for later: the parameters and the optimizer's tensors."""
+    optimizer = state.optimizers[0]
+    return (sum(1 for _ in state.model.parameters())
+            + sum(1 for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)))
+
+
+def test_the_loop_copies_what_the_writer_has_not_started_and_waits_only_for_the_rest(
+        run, tmp_path, writer_held_in_its_first_copy):
+    writer_copying, open_it, by_loop, _ = writer_held_in_its_first_copy
+    state = run.state
+    _after_one_step(run)
+    model_at_1, optimizer_at_1 = {k: v.clone() for k, v in state.model.state_dict().items()}, _optimizer_state(state)
+    ckpt = Checkpointer(tmp_path, keep=3, meta={})
+    assert ckpt.save_async(state) is True
+    assert writer_copying.wait(30)
+    threading.Timer(0.5, open_it.set).start()  # the writer's copy ends only after the loop got there
+    ckpt.before_update()  # in this (the training) thread
+    assert open_it.is_set()  # it waited for the writer's copy...
+    assert len(by_loop) == _deferred_count(state) - 1 > 0  # ...and copied every other one itself
+    assert all(isinstance(t, torch.Tensor) for t in by_loop)
+    with torch.no_grad():
+        for p in state.model.parameters():
+            p.add_(1.0)  # the optimizer step
+    assert ckpt.wait(30)
+    _assert_saved_is(tmp_path, model_at_1, optimizer_at_1, state)
+
+
+def test_a_copy_that_fails_in_the_loop_is_raised_there_and_nothing_is_written(
+        run, tmp_path, writer_held_in_its_first_copy):
+    writer_copying, open_it, _, fail_loop = writer_held_in_its_first_copy
+    _after_one_step(run)
+    ckpt = Checkpointer(tmp_path, keep=3, meta={})
+    assert ckpt.save_async(run.state) is True
+    assert writer_copying.wait(30)
+    fail_loop.append(MemoryError("no memory for the copy"))
+    try:
+        with pytest.raises(MemoryError, match="no memory for the copy"):
+            ckpt.before_update()
+    finally:
+        open_it.set()
+    assert ckpt.wait(30)  # the writer ended without writing half a snapshot
+    assert local.list_committed(tmp_path) == []
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.randn(64, 33),
+    lambda: torch.randn(64, 33).to(torch.bfloat16),
+    lambda: torch.arange(1000, dtype=torch.int64),
+    lambda: torch.randn(33, 64).t(),  # not contiguous
+    lambda: torch.randn(8, 8, dtype=torch.complex64).conj(),  # a lazy conjugate
+    lambda: torch.randn(8, 8)._neg_view(),  # a lazy negation (what .conj().imag gives, but contiguous)
+    lambda: torch.empty(0, 5),
+    lambda: torch.tensor(3.5),
+], ids=["float32", "bfloat16", "int64", "transposed", "conj", "neg", "empty", "scalar"])
+def test_a_copy_alone_gives_what_torchs_copy_gives(make):
+    src = make()
+    buf = torch.full(src.shape, 7, dtype=src.dtype) if src.numel() else torch.empty(src.shape, dtype=src.dtype)
+    snapshot.copy_into(buf, src, alone=True)
+    assert torch.equal(buf, src.resolve_conj().resolve_neg())
+    assert not buf.is_conj() and not buf.is_neg()
+
+
+def _threads_after_copying(alone: bool) -> int:
+    """How many threads the process gained while a fresh thread made one large copy (it is still alive)."""
+    src, buf = torch.randn(1 << 22), torch.empty(1 << 22)
+    counts: list[int] = []
+
+    def copy() -> None:
+        before = len(os.listdir("/proc/self/task"))
+        snapshot.copy_into(buf, src, alone=alone)
+        counts.append(len(os.listdir("/proc/self/task")) - before)
+
+    thread = threading.Thread(target=copy)
+    thread.start()
+    thread.join(30)
+    assert torch.equal(buf, src)
+    return counts[0]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task") or "OpenMP" not in torch.__config__.parallel_info(),
+                    reason="counts the threads of torch's OpenMP teams in /proc")
+def test_a_copy_alone_brings_no_openmp_team_of_its_own():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # what a new thread's team would be: training's size
+    try:
+        assert _threads_after_copying(alone=False) >= 1  # torch's copy: a team of two, one thread more
+        assert _threads_after_copying(alone=True) == 0
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_before_update_does_nothing_when_no_copy_is_running(run, tmp_path, monkeypatch):
@@ -257,7 +425,7 @@ def test_before_update_does_nothing_when_no_copy_is_running(run, tmp_path, monke
     assert ckpt.wait(30)  # the copy is over with the write
     stall = ckpt.last_stall_seconds
 
-    def no_copy(buf, src):
+    def no_copy(buf, src, alone=False):
         raise AssertionError("before_update copied")
 
     monkeypatch.setattr(snapshot, "copy_into", no_copy)

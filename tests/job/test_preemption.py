@@ -92,7 +92,9 @@ def test_grace_too_short_says_so_and_exits_before_the_kill(spawn, tmp_path):
     warning = proc.wait_event("grace_too_short")
     preempted = proc.wait_event("preempted")
     assert warning["kept_step"] == preempted["checkpoint_step"] < preempted["step"]
-    assert inspect(folder)["step"] == preempted["checkpoint_step"]
+    assert preempted["checkpoint_step"] in [c.step for c in local.list_committed(folder)]
+    # A periodic write left in flight at the stop may still land before the exit; the event names it.
+    assert inspect(folder)["step"] in (preempted["checkpoint_step"], preempted["writing_step"])
 
 
 def test_grace_too_short_mid_write_exits_75_with_the_previous_checkpoint(spawn, tmp_path):
