@@ -10,9 +10,9 @@ steps), each round timing one plain step, then ``save_async`` plus the next step
   ``save_async``, as before the pipelining).
 * ``sync``: ``torch.save(state.state_dict())`` + fsync, the synchronous save the target is relative to.
 * ``copy_only``: no checkpoint: a thread (at the writer's priority, alone as the writer copies) copies
-  every tensor of the state once into reused buffers while the next step runs. The floor of any design that copies the state
-  while training goes on: on a CPU the copy and the step share the memory bus, however many cores
-  there are, so this is what "the copy overlaps the step" costs here.
+  every tensor of the state once into reused buffers while the next step runs. The floor of any design
+  that copies the state while training goes on: on a CPU the copy and the step share the memory bus,
+  however many cores there are, so this is what "the copy overlaps the step" costs here.
 
 The writes are waited for, untimed, between steps, so no arm measures another's disk traffic.
 Reported per arm: the extra time of "save_async + next step" over the plain step, and the loop stall
