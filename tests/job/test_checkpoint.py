@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from job.checkpoint import STATE_FILE, Checkpointer, describe, load_state_file, model_sha256, open_checkpoint
+from job.checkpoint import (STATE_FILE, Checkpointer, _without_torch_crc32, describe, load_state_file, model_sha256,
+                            open_checkpoint)
 from job.exceptions import CheckpointLoadError
-from tests.support.checkpoints import checkpoints_of
+from tests.support.checkpoints import checkpoints_of, zip_crc32s
 from tests.support.jobs import ckpt_config, train_state
 from uploader import local
 from uploader.hashing import BLOCK_SIZE, file_digest, sha256_file
@@ -41,6 +42,28 @@ def test_checkpoints_are_committed_with_a_manifest_and_pruned(saved):
     assert entry["block_size"] == BLOCK_SIZE
     assert (entry["size"], entry["blake3"]) == file_digest(newest / STATE_FILE, BLOCK_SIZE)  # format 3
     assert doc["meta"]["seed"] == 7
+
+
+def test_checkpoint_files_carry_no_torch_crc32_and_a_users_torch_save_keeps_it(saved, tmp_path):
+    """BLAKE3 verifies every byte of a checkpoint: torch's own CRC-32 of each record would be CPU taken from
+    training for nothing, so the job's saves skip it; torch's setting is back once they end."""
+    _, folder = saved
+    assert zip_crc32s((folder / local.checkpoint_name(40) / STATE_FILE).read_bytes()) == {0}
+    torch.save({"w": torch.ones(3)}, tmp_path / "own.pt")
+    assert 0 not in zip_crc32s((tmp_path / "own.pt").read_bytes())
+
+
+def test_overlapping_saves_keep_the_crc32_off_until_the_last_ends():
+    """The writer thread and a rank's sharded write may overlap: the first to end must not turn it back on."""
+    first, second = _without_torch_crc32(), _without_torch_crc32()
+    first.__enter__()
+    second.__enter__()
+    try:
+        first.__exit__(None, None, None)
+        assert not torch.serialization.get_crc32_options()
+    finally:
+        second.__exit__(None, None, None)
+    assert torch.serialization.get_crc32_options()
 
 
 def test_newest_complete_checkpoint_is_chosen(saved):

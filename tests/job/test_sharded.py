@@ -17,10 +17,12 @@ from typing import Any, Callable
 import pytest
 import torch
 
+from job import dcp_storage
 from job.checkpoint import describe, load_state_file, open_checkpoint, restore
 from job.exceptions import CheckpointLoadError
 from job.sharded import by_id
 from tests.job.test_checkpoint import _Exploit
+from tests.support.checkpoints import zip_crc32s
 from tests.support.jobs import REPO, JobProcess, events, inspect, job_env, run_job, train_config
 from tests.support.elastic import DATASET, TORCHRUN, assert_close, final_model, preempted, resumed, run
 from tests.support.recording_model import trained
@@ -88,6 +90,20 @@ def test_inspect_reports_one_model_sha256_for_every_sharding(saved: Path, reshar
     assert sorted(set(files) - set(small)) == [
         "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", DCP_METADATA, MANIFEST_NAME, "rank-00000-of-00003.pt",
         "rank-00001-of-00003.pt", "rank-00002-of-00003.pt", "replicated.pt"]
+
+
+def test_sharded_files_carry_no_torch_crc32(saved: Path) -> None:
+    """As for state.pt (tests.job.test_checkpoint): BLAKE3 covers the files, so every torch.save in them, the
+    rank files' and the one DCP makes of each item in its data files, skips torch's CRC-32."""
+    folder, manifest = open_checkpoint(newest(saved / "w2"))
+    items = list(dcp_storage.read_metadata(folder, manifest).storage_data.values())
+    assert items and {item.file for item in items} <= {f.path for f in manifest.files}
+    for item in items:
+        with open(folder / item.file, "rb") as f:
+            f.seek(item.offset)
+            assert zip_crc32s(f.read(item.length)) == {0}, item
+    for name in ("replicated.pt", "rank-00000-of-00002.pt", "rank-00001-of-00002.pt"):
+        assert zip_crc32s((folder / name).read_bytes()) == {0}, name
 
 
 def test_a_sharded_checkpoint_loads_into_one_unsharded_process(saved: Path) -> None:

@@ -4,8 +4,10 @@ The job's tests reuse this: a checkpoint is a folder of files plus a manifest, w
 """
 from __future__ import annotations
 
+import io
 import os
 import random
+import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -68,6 +70,12 @@ def checkpoints_of(folder: Path) -> dict[str, bytes]:
 def data_files_of(ckpt_path: Path) -> dict[str, bytes]:
     """Like files_of, without the manifest (which a pull re-serializes)."""
     return {k: v for k, v in files_of(ckpt_path).items() if k != "manifest.json"}
+
+
+def zip_crc32s(data: bytes) -> set[int]:
+    """The CRC-32 fields of a torch.save's records (a zip archive): all 0 when torch was told not to compute them."""
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        return {info.CRC for info in archive.infolist()}
 
 
 def corrupt_file(path: Path) -> None:
