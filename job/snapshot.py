@@ -23,10 +23,11 @@ This holds while nothing but the optimizer step writes parameters or optimizer s
 steps (zero_grad, forward, backward, DDP's all-reduce and evaluation do not); anything else that does
 must call ``block_writes`` first. On CUDA the copies are issued at once on a side stream that first
 waits for the current one, and ``block_writes`` makes the current stream wait for the side stream's
-event: the host does not block. On CPU the writer's thread copies, one tensor at a time, at the writer's
-priority and alone (one memmove, no OpenMP team of its own): it takes the CPU training leaves idle, not
-cores from training's own threads. If the loop reaches ``block_writes`` first, it copies the tensors not
-yet started itself, with all of its threads, and waits only for the one in progress. (BENCHMARKS.md,
+event: the host does not block. On CPU the writer's thread copies, one piece (up to 16 MiB of a tensor)
+at a time, at the writer's priority and alone (one memmove, no OpenMP team of its own): it takes the CPU
+training leaves idle, not cores from training's own threads. If the loop reaches ``block_writes`` first,
+it copies the pieces not yet started itself, with all of its threads, and waits only for the one in
+progress. (BENCHMARKS.md,
 eleventh session: two training threads on two cores, a copy at training's priority on a team of its
 own cost the steps around a checkpoint +236 ms at 600 MB and +381 ms at 1 GB; this way, +52 and +144.)
 """
@@ -43,6 +44,10 @@ Path_ = tuple[Any, ...]
 TensorSpec = tuple[Path_, torch.Size, torch.dtype, bool]  # path in the tree, shape, dtype, pinned
 _SCALARS = (int, float, bool, str, bytes, type(None))
 Later = Callable[[Path_, torch.Tensor], bool]  # which tensors capture_pipelined leaves for later
+Pair = tuple[torch.Tensor, torch.Tensor]  # (buffer, source) of one deferred copy
+# On the CPU a deferred tensor is copied in pieces of at most this many bytes: what the loop waits for
+# when it takes over (a whole 64 MB tensor of the 1 GB benchmark model took ~10 ms on one core).
+PIECE_BYTES = 16 << 20
 
 
 def written_by_update(optimizers: Iterable[torch.optim.Optimizer]) -> Later:
@@ -70,6 +75,16 @@ def copy_into(buf: torch.Tensor, src: torch.Tensor, alone: bool = False) -> None
         buf.copy_(src, non_blocking=buf.is_pinned())
 
 
+def _pieces(buf: torch.Tensor, src: torch.Tensor) -> list[Pair]:
+    """``(buf, src)`` as copies of at most PIECE_BYTES each, where a byte copy is right (flat views of
+    contiguous memory); a tensor that needs torch's copy stays whole."""
+    step = max(1, PIECE_BYTES // buf.element_size())
+    if buf.numel() <= step or not _same_bytes(buf, src):
+        return [(buf, src)]
+    flat_buf, flat_src = buf.view(-1), src.view(-1)
+    return [(flat_buf[i:i + step], flat_src[i:i + step]) for i in range(0, flat_buf.numel(), step)]
+
+
 def _same_bytes(buf: torch.Tensor, src: torch.Tensor) -> bool:
     """Whether copying the bytes gives what ``buf.copy_(src)`` gives: both dense in host memory, the same
     dtype and shape, and no lazy conjugation or negation on ``src``."""
@@ -82,7 +97,7 @@ class Deferred:
     """The copies :meth:`HostSnapshot.capture_pipelined` left for later: the writer's thread ``run``s
     them; the training thread, in ``block_writes``, takes over the ones not yet started (module docstring)."""
 
-    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], event: torch.cuda.Event | None) -> None:
+    def __init__(self, pairs: list[Pair], event: torch.cuda.Event | None) -> None:
         self._pairs = pairs  # (buffer, source); on CUDA held until the side stream is done with the sources
         self._event = event  # CUDA: recorded on the side stream after its copies
         self._lock = threading.Lock()
@@ -108,7 +123,7 @@ class Deferred:
         return not self._failed
 
     def block_writes(self) -> None:
-        """In the training thread, before anything writes the sources: copy the tensors no thread has
+        """In the training thread, before anything writes the sources: copy the pieces no thread has
         started, then block until the rest are done (CUDA: the current stream waits, the host does not)."""
         if self.done.is_set():
             return
@@ -129,7 +144,7 @@ class Deferred:
                 self.done.set()
             raise
 
-    def _take(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _take(self) -> Pair | None:
         with self._lock:
             if self._failed or self._taken == len(self._pairs):
                 return None
@@ -193,7 +208,7 @@ class HostSnapshot:
         tree, filled by the returned :class:`Deferred` (module docstring)."""
         self.bytes = 0
         seen: set[Path_] = set()
-        deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
+        deferred: list[Pair] = []
         copied = self._copy(tree, (), seen, later, deferred)
         for stale in set(self._buffers) - seen:  # the state shrank: free what it no longer uses
             del self._buffers[stale]
@@ -210,10 +225,12 @@ class HostSnapshot:
                             src.record_stream(side)
                         copy_into(buf, src)
                 side_done = side.record_event()
+        else:
+            deferred = [piece for pair in deferred for piece in _pieces(*pair)]
         return copied, event, Deferred(deferred, side_done)
 
     def _copy(self, node: Any, path: Path_, seen: set[Path_], later: Later,
-              deferred: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+              deferred: list[Pair]) -> Any:
         if isinstance(node, torch.Tensor):
             seen.add(path)
             src = node.detach()

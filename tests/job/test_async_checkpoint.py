@@ -344,12 +344,30 @@ def test_the_loop_copies_what_the_writer_has_not_started_and_waits_only_for_the_
     ckpt.before_update()  # in this (the training) thread
     assert open_it.is_set()  # it waited for the writer's copy...
     assert len(by_loop) == _deferred_count(state) - 1 > 0  # ...and copied every other one itself
-    assert all(isinstance(t, torch.Tensor) for t in by_loop)
+    assert len({t.data_ptr() for t in by_loop}) == len(by_loop)  # each once
     with torch.no_grad():
         for p in state.model.parameters():
             p.add_(1.0)  # the optimizer step
     assert ckpt.wait(30)
     _assert_saved_is(tmp_path, model_at_1, optimizer_at_1, state)
+
+
+def test_a_large_tensor_is_copied_in_pieces_and_the_loop_waits_only_for_the_writers_piece(
+        writer_held_in_its_first_copy, monkeypatch):
+    writer_copying, open_it, by_loop, _ = writer_held_in_its_first_copy
+    monkeypatch.setattr(snapshot, "PIECE_BYTES", 1024)  # 256 float32s
+    tree = {"big": torch.randn(1000), "transposed": torch.randn(3, 5).t()}  # the latter needs torch's copy: whole
+    expected = {k: v.clone() for k, v in tree.items()}
+    copied, _, deferred = HostSnapshot().capture_pipelined(tree, lambda path, tensor: True)
+    writer = threading.Thread(target=deferred.run)
+    writer.start()
+    assert writer_copying.wait(30)  # in big's first piece
+    threading.Timer(0.5, open_it.set).start()
+    deferred.block_writes()
+    assert open_it.is_set()
+    assert sorted(t.numel() for t in by_loop) == [15, 232, 256, 256]
+    writer.join(30)
+    assert all(torch.equal(copied[k], v) for k, v in expected.items())
 
 
 def test_a_copy_that_fails_in_the_loop_is_raised_there_and_nothing_is_written(
