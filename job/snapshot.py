@@ -27,9 +27,9 @@ event: the host does not block. On CPU the writer's thread copies, one piece (up
 at a time, at the writer's priority and alone (one memmove, no OpenMP team of its own): it takes the CPU
 training leaves idle, not cores from training's own threads. If the loop reaches ``block_writes`` first,
 it copies the pieces not yet started itself, with all of its threads, and waits only for the one in
-progress. (BENCHMARKS.md,
-eleventh session: two training threads on two cores, a copy at training's priority on a team of its
-own cost the steps around a checkpoint +236 ms at 600 MB and +381 ms at 1 GB; this way, +52 and +144.)
+progress. (BENCHMARKS.md, eleventh session: two training threads on two cores, a copy at training's
+priority on a team of its own cost the steps around a checkpoint +236 ms at 600 MB and +381 ms at 1 GB;
+this way, +52 and +144.)
 """
 from __future__ import annotations
 
