@@ -87,10 +87,14 @@ class Arm:
     checkpoints: int = 0
     stalls: list[float] = field(default_factory=list)  # extra time of the step that took one and the next
     writes: list[float] = field(default_factory=list)  # background write seconds
-    excess: float = 0.0  # extra seconds of the steps during checkpoints, vs. the steps just before
     windows: list[tuple[float, float]] = field(default_factory=list)  # (seconds into the run, write s) per checkpoint
     durations: dict[int, float] = field(default_factory=dict)  # step -> its wall time
     ends: dict[int, float] = field(default_factory=dict)  # step -> seconds into the run when it ended
+
+    @property
+    def excess(self) -> float:
+        """Extra seconds of the steps during this run's checkpoints, vs. the steps just before each."""
+        return self.control(self.windows)
 
     def control(self, windows: list[tuple[float, float]]) -> float:
         """What :func:`_excess` finds in this run at another run's checkpoint windows. Run on the arm with
@@ -121,18 +125,16 @@ def run_arm(cfg: Any, interval: str, duration: float, folder: Path) -> Arm:
         train(cfg, ckpt_config(folder, interval=interval, keep=1, resume="never"), stop=stop)
     marks = stop.marks
     (first, t0, c0), (last, t1, c1) = marks[0], marks[-1]
-    ends = {step: t for step, t, _ in marks}
+    ends = {step: t - t0 for step, t, _ in marks}  # seconds into the run
     durations = {step: b - a for (_, a, _), (step, b, _) in zip(marks, marks[1:])}
     typical = median(list(durations.values()))
     inside = [e for e in handler.events if first < e["step"] <= last and e["step"] in durations]
-    into_run = {step: t - t0 for step, t in ends.items()}
     return Arm(
         steps_per_s=(last - first) / (t1 - t0), cpu_per_step=(c1 - c0) / (last - first), steps=last - first,
         checkpoints=len(inside),
         stalls=[sum(durations.get(s, typical) - typical for s in (e["step"], e["step"] + 1)) for e in inside],
         writes=[float(e["seconds"]) for e in inside],
-        excess=sum(_excess(durations, ends, e["step"], float(e["seconds"])) for e in inside),
-        windows=[(into_run[e["step"]], float(e["seconds"])) for e in inside], durations=durations, ends=into_run,
+        windows=[(ends[e["step"]], float(e["seconds"])) for e in inside], durations=durations, ends=ends,
     )
 
 
