@@ -25,6 +25,7 @@ import torch
 from torch.distributed.checkpoint.storage import WriteResult
 
 from job import dcp_storage, distributed, sharded
+from job.direct_file import DirectFile
 from job.exceptions import CheckpointLoadError, CheckpointWriteError
 from job.logs import event
 from job.safe_load import clip, first_line, load_weights_only
@@ -553,12 +554,12 @@ def _without_torch_crc32() -> Iterator[None]:
 
 
 def _write_file(path: Path, tree: Any) -> FileEntry:
-    """torch.save ``tree`` to ``path``, hashed while written, fsynced: its manifest entry."""
-    with open(path, "wb") as raw, _without_torch_crc32():
+    """torch.save ``tree`` to ``path`` around the page cache (job.direct_file), hashed while written,
+    fsynced: its manifest entry."""
+    with DirectFile(path) as raw, _without_torch_crc32():
         writer = HashingWriter(raw)
         _save(tree, writer)
-        raw.flush()
-        os.fsync(raw.fileno())
+        raw.sync()
     return FileEntry(path.name, writer.size, writer.hexdigest(), writer.block_size)
 
 

@@ -4,7 +4,9 @@ The job's tests reuse this: a checkpoint is a folder of files plus a manifest, w
 """
 from __future__ import annotations
 
+import ctypes
 import io
+import mmap
 import os
 import random
 import zipfile
@@ -88,3 +90,28 @@ def corrupt_file(path: Path) -> None:
 def complete_steps(remote: Remote) -> list[int]:
     """Steps of the complete checkpoints on a remote, oldest first."""
     return [c.step for c in list_remote(remote) if c.complete]
+
+
+def cached_pages(path: Path) -> int:
+    """How many of the file's pages are in the page cache now (mincore(2) over a mapping of it)."""
+    size = path.stat().st_size
+    if size == 0:
+        return 0
+    page = mmap.PAGESIZE
+    pages = -(-size // page)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    with open(path, "rb") as f:
+        address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, f.fileno(), 0)
+        if address in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), "mmap failed")
+        try:
+            vector = ctypes.create_string_buffer(pages)
+            if libc.mincore(address, size, vector) != 0:
+                raise OSError(ctypes.get_errno(), "mincore failed")
+            return sum(byte & 1 for byte in vector.raw)
+        finally:
+            libc.munmap(address, size)
