@@ -517,8 +517,8 @@ def claim_folder(folder: Path) -> None:
 
 def _yield_cpu_to_training() -> None:
     """Lower this thread's CPU priority: a background write must take the cores training leaves idle,
-    not share them half and half with the training thread (its serialization, sha256 and copies into
-    the page cache are CPU work). On Linux a nice value is per thread (setpriority on the thread id)."""
+    not share them half and half with the training thread (its copies, serialization and BLAKE3 are CPU
+    work). On Linux a nice value is per thread (setpriority on the thread id)."""
     try:
         tid = threading.get_native_id()
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + WRITER_NICE))
