@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 ALIGN = 4096
 STAGING_BYTES = 8 << 20  # one device write; a multiple of ALIGN
+SMALL_WRITE = 64 << 10  # copied under the GIL; larger ones by a memmove that releases it
 _O_DIRECT = getattr(os, "O_DIRECT", 0)  # Linux; elsewhere every file is buffered
 
 
@@ -92,31 +93,33 @@ class DirectFile:
     ``flush``. :meth:`sync` makes it durable; without it (an error), :meth:`close` leaves a partial file."""
 
     def __init__(self, path: Path) -> None:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
         self.direct = bool(_O_DIRECT)
-        try:
-            self._fd = os.open(path, flags | _O_DIRECT, 0o644)
-        except OSError as e:
-            if e.errno != errno.EINVAL or not self.direct:
-                raise
-            self._fd = os.open(path, flags, 0o644)
-            self._buffered("open", path)
         self._path = path
         self._buffer: mmap.mmap | None = _staging.take()
         self._view = memoryview(self._buffer)
         self._base = _address(self._view)
+        try:
+            self._fd = self._open()
+        except BaseException:
+            self._view.release()
+            _staging.give(self._buffer)
+            raise
         self._fill = 0  # bytes staged, not yet written
         self.size = 0  # bytes accepted
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
         view = memoryview(data)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
         n = view.nbytes
-        if n == 0:
-            return 0
-        source, done = _address(view), 0
+        source = _address(view) if n >= SMALL_WRITE else 0
+        done = 0
         while done < n:
             take = min(n - done, STAGING_BYTES - self._fill)
-            ctypes.memmove(self._base + self._fill, source + done, take)  # releases the GIL
+            if take < SMALL_WRITE:  # torch.save's headers: no foreign call, no GIL hand-over per write
+                self._view[self._fill : self._fill + take] = view[done : done + take]
+            else:  # a storage: the copy releases the GIL, as a write to a file does
+                ctypes.memmove(self._base + self._fill, source + done, take)
             self._fill += take
             done += take
             if self._fill == STAGING_BYTES:
@@ -152,6 +155,16 @@ class DirectFile:
                  traceback: TracebackType | None) -> None:
         self.close()
 
+    def _open(self) -> int:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+        try:
+            return os.open(self._path, flags | _O_DIRECT, 0o644)
+        except OSError as e:
+            if e.errno != errno.EINVAL or not self.direct:
+                raise
+        self._buffered("open")
+        return os.open(self._path, flags, 0o644)
+
     def _drain(self, length: int) -> None:
         """Write the first ``length`` staged bytes at the end of the file."""
         written = 0
@@ -169,8 +182,8 @@ class DirectFile:
 
     def _go_buffered(self) -> None:
         fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~_O_DIRECT)
-        self._buffered("write", self._path)
+        self._buffered("write")
 
-    def _buffered(self, where: str, path: Path) -> None:
+    def _buffered(self, where: str) -> None:
         self.direct = False
-        logger.debug("O_DIRECT refused (%s) for %s: written through the page cache", where, path)
+        logger.debug("O_DIRECT refused (%s) for %s: written through the page cache", where, self._path)

@@ -178,3 +178,8 @@ def test_a_full_disk_is_raised_as_itself(direct_capable, monkeypatch):
     with pytest.raises(OSError) as caught, DirectFile(direct_capable / "f.bin") as f:
         f.write(b"x" * STAGING_BYTES)
     assert caught.value.errno == errno.ENOSPC
+
+
+def test_a_file_that_cannot_be_created_raises_as_itself(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        DirectFile(tmp_path / "no-such-folder" / "f.bin")
