@@ -4,7 +4,8 @@ Why: a buffered write copies every byte into fresh page-cache pages that the ker
 on its own threads, at training's priority, and the pages stay in memory, charged to the job's memory
 cgroup, until the previous checkpoint is pruned and frees them again. None of that helps: a checkpoint
 is read back once, by the uploader, if at all. Here the writer copies each write into one reused,
-page-aligned buffer (a memmove that releases the GIL) and hands full buffers to the device directly.
+page-aligned buffer (a storage by a memmove that releases the GIL) and hands full buffers to the device
+directly.
 Measured on the 2-vCPU benchmark VM (BENCHMARKS.md, thirteenth session): a 100 MB ``_write_file`` took
 40-70 ms of CPU this way against 53-306 ms through the page cache, whose cost there depends on whether
 the pages freed by the last prune must first come back from the host.
