@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any, Callable, NoReturn
 
@@ -102,13 +103,57 @@ def cli() -> None:
 def _dump_stacks_on_sigusr1() -> None:
     """A job that seems stuck (a collective no peer enters, a hung mount) shows where on `kill -USR1`.
 
-    faulthandler writes from a signal handler, so it needs a real file descriptor: the process's own
-    stderr, even where sys.stderr was replaced (click's test runner, an embedding program)."""
-    stream = sys.__stderr__
+    Not faulthandler.register: its handler walks every thread's frames from inside the signal handler,
+    while those threads run, and can crash the job it was asked to look at (CPython gh-116008; seen in
+    this project's CI: SIGSEGV while printing the TensorBoard writer's stack). Here the signal only wakes
+    a thread (CPython's own handler writes the signal number to the wakeup fd, from whatever the main
+    thread is doing), which prints every stack holding the GIL, so no frame changes under it; a thread
+    stuck in a collective or on a mount has released the GIL and shows where. The output is
+    faulthandler's, to the process's own stderr descriptor, even where sys.stderr was replaced (click's
+    test runner, an embedding program). Once per process; a program that already uses the wakeup fd
+    (asyncio) keeps it, and gets no stack dumps."""
+    global _stack_dumps
+    stream = sys.__stderr__ if sys.__stderr__ is not None else sys.stderr
+    if _stack_dumps:
+        return
     try:
-        faulthandler.register(signal.SIGUSR1, file=stream if stream is not None else sys.stderr, all_threads=True)
-    except (AttributeError, ValueError, OSError) as e:  # no stderr descriptor at all: nothing to print to
+        stream.fileno()
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        if previous != -1:
+            signal.set_wakeup_fd(previous)
+            raise ValueError("the signal wakeup fd is already in use")
+        signal.signal(signal.SIGUSR1, _wake_only)  # with a Python handler, CPython's writes to the wakeup fd
+    except (AttributeError, ValueError, OSError) as e:  # no stderr descriptor, not the main thread
         logger.debug("no stack dumps on SIGUSR1: %s", e)
+        return
+    _stack_dumps = True
+    threading.Thread(target=_print_stacks_on_wakeup, args=(read_fd, stream), name="stack-dumps", daemon=True).start()
+    os.register_at_fork(after_in_child=lambda: _dump_stacks_in_child(stream))
+
+
+_stack_dumps = False
+
+
+def _wake_only(signum: int, frame: Any) -> None:
+    """SIGUSR1's Python-level handler: nothing; the stacks are printed by the thread it wakes."""
+
+
+def _print_stacks_on_wakeup(read_fd: int, stream: Any) -> None:
+    while data := os.read(read_fd, 64):  # the numbers of the signals received, a byte each
+        if signal.SIGUSR1 in data:
+            faulthandler.dump_traceback(file=stream, all_threads=True)
+
+
+def _dump_stacks_in_child(stream: Any) -> None:
+    """A forked child (a DataLoader worker) has no thread to wake and one thread of Python: faulthandler's
+    own handler is safe there, and the wakeup fd is the parent's."""
+    try:
+        signal.set_wakeup_fd(-1)
+        faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True)
+    except (ValueError, OSError, RuntimeError) as e:
+        logger.debug("no stack dumps on SIGUSR1 in a forked child: %s", e)
 
 
 @cli.command()

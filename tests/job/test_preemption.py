@@ -1,6 +1,7 @@
 """SIGTERM / SIGINT and spot notices: a preemption costs zero batches and changes nothing."""
 from __future__ import annotations
 
+import re
 import signal
 import sys
 
@@ -160,4 +161,5 @@ def test_sigusr1_prints_every_threads_stack_and_training_goes_on(spawn, tmp_path
     proc.dump_stacks()  # what the test harness does to a job that outlives its timeout
     assert proc.wait() == 0, proc.stderr
     assert "Current thread" in proc.stderr and 'File "' in proc.stderr
+    assert re.search(r'File ".*job/loop\.py", line \d+ in ', proc.stderr), proc.stderr  # the training thread's
     assert inspect(folder)["step"] == 200
