@@ -28,6 +28,8 @@ import threading
 from pathlib import Path
 from types import TracebackType
 
+from uploader.hashing import align_up
+
 logger = logging.getLogger(__name__)
 
 ALIGN = 4096
@@ -135,7 +137,7 @@ class DirectFile:
         """Write what is staged (its last block padded, then cut off by a truncate) and fsync."""
         if self._fill:
             tail = self._fill
-            padded = -(-tail // ALIGN) * ALIGN if self.direct else tail  # what pads it is cut off below
+            padded = align_up(tail, ALIGN) if self.direct else tail  # what pads it is cut off below
             self._drain(padded)
             if padded != tail:
                 os.ftruncate(self._fd, self.size)

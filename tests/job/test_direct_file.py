@@ -15,9 +15,9 @@ from job import direct_file
 from job.checkpoint import _write_file
 from job.direct_file import ALIGN, STAGING_BYTES, DirectFile
 from tests.support.checkpoints import cached_pages
+from tests.support.jobs import REPO
 from uploader.hashing import file_digest
 
-REPO = Path(__file__).resolve().parents[2]
 SIZES = [0, 1, ALIGN - 1, ALIGN, ALIGN + 1, STAGING_BYTES - 1, STAGING_BYTES, 2 * STAGING_BYTES + 12345]
 
 
@@ -102,14 +102,13 @@ def test_a_filesystem_refusing_o_direct_at_open_gets_a_buffered_file(tmp_path, m
 
 
 def _fake_write(monkeypatch, fail):
-    """os.write that calls ``fail(fd, data, flags)`` for direct writes first: it may raise, or return
-    how many bytes to write for real (None for all)."""
+    """os.write that calls ``fail(data)`` for direct writes first: it may raise, or return how many
+    bytes to write for real (None for all)."""
     real_write = os.write
 
     def write(fd, data):
-        flags = direct_file.fcntl.fcntl(fd, direct_file.fcntl.F_GETFL)
-        if flags & os.O_DIRECT:
-            n = fail(fd, data, flags)
+        if direct_file.fcntl.fcntl(fd, direct_file.fcntl.F_GETFL) & os.O_DIRECT:
+            n = fail(data)
             if n is not None:
                 return real_write(fd, memoryview(data)[:n])
         return real_write(fd, data)
@@ -121,7 +120,7 @@ def test_a_direct_write_refused_with_einval_goes_through_the_page_cache(direct_c
     """A device whose logical block is larger than ALIGN refuses the write, not the open."""
     calls = []
 
-    def refuse(fd, data, flags):
+    def refuse(data):
         calls.append(len(data))
         raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
 
@@ -136,7 +135,7 @@ def test_a_direct_write_refused_with_einval_goes_through_the_page_cache(direct_c
 def test_short_direct_writes_go_on_from_where_they_stopped(direct_capable, monkeypatch):
     calls = []
 
-    def short(fd, data, flags):
+    def short(data):
         calls.append(len(data))
         return min(len(data), 3 * ALIGN)
 
@@ -171,7 +170,7 @@ sys.exit(4)
 
 
 def test_a_full_disk_is_raised_as_itself(direct_capable, monkeypatch):
-    def full(fd, data, flags):
+    def full(data):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     _fake_write(monkeypatch, full)

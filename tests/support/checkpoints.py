@@ -13,7 +13,7 @@ import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 
-from uploader.hashing import BLAKE3, BLOCK_SIZE, SHA256, StreamDigest
+from uploader.hashing import BLAKE3, BLOCK_SIZE, SHA256, StreamDigest, block_count
 from uploader.local import FINISHED_NAME, LocalCheckpoint, commit, staging_dir
 from uploader.manifest import FORMAT_VERSION, FileEntry, Manifest
 from uploader.remote import Remote
@@ -97,8 +97,7 @@ def cached_pages(path: Path) -> int:
     size = path.stat().st_size
     if size == 0:
         return 0
-    page = mmap.PAGESIZE
-    pages = -(-size // page)
+    pages = block_count(size, mmap.PAGESIZE)
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
     libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
