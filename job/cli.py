@@ -113,19 +113,25 @@ def _dump_stacks_on_sigusr1() -> None:
     test runner, an embedding program). Once per process; a program that already uses the wakeup fd
     (asyncio) keeps it, and gets no stack dumps."""
     global _stack_dumps
-    stream = sys.__stderr__ if sys.__stderr__ is not None else sys.stderr
     if _stack_dumps:
         return
+    stream = sys.__stderr__ if sys.__stderr__ is not None else sys.stderr
+    read_fd, write_fd = os.pipe()
     try:
         stream.fileno()
-        read_fd, write_fd = os.pipe()
         os.set_blocking(write_fd, False)
         previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
         if previous != -1:
             signal.set_wakeup_fd(previous)
             raise ValueError("the signal wakeup fd is already in use")
-        signal.signal(signal.SIGUSR1, _wake_only)  # with a Python handler, CPython's writes to the wakeup fd
+        try:
+            signal.signal(signal.SIGUSR1, _wake_only)  # with a Python handler, CPython's writes to the wakeup fd
+        except BaseException:
+            signal.set_wakeup_fd(-1)  # before its pipe is closed below
+            raise
     except (AttributeError, ValueError, OSError) as e:  # no stderr descriptor, not the main thread
+        os.close(read_fd)
+        os.close(write_fd)
         logger.debug("no stack dumps on SIGUSR1: %s", e)
         return
     _stack_dumps = True
