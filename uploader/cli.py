@@ -43,6 +43,7 @@ from uploader.exceptions import (
     AuthError,
     BucketNotFound,
     CorruptCheckpoint,
+    LocalWriteError,
     ManifestError,
     NoCheckpointFound,
     TransientStorageError,
@@ -63,6 +64,7 @@ EXIT_AUTH = 3
 EXIT_NO_BUCKET = 4
 EXIT_UNREACHABLE = 5
 EXIT_NO_CHECKPOINT = 6
+EXIT_LOCAL_WRITE = 7  # the job's EXIT_WRITE_FAILED: the same failure, the same code
 
 _EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
     (AuthError, EXIT_AUTH),
@@ -72,6 +74,7 @@ _EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
     (NoCheckpointFound, EXIT_NO_CHECKPOINT),
     (CorruptCheckpoint, EXIT_NO_CHECKPOINT),
     (ManifestError, EXIT_NO_CHECKPOINT),
+    (LocalWriteError, EXIT_LOCAL_WRITE),
 )
 
 
@@ -155,7 +158,8 @@ class _Main(click.Group):
 
 EPILOG = """\b
 Exit codes: 0 ok; 1 unexpected; 2 usage; 3 auth/permission; 4 bucket missing;
-5 storage unreachable after retries (watch: grace over); 6 no checkpoint found / corrupt."""
+5 storage unreachable after retries (watch: grace over); 6 no checkpoint found / corrupt;
+7 a download cannot be written locally (disk full, read-only)."""
 
 
 @click.group(cls=_Main, epilog=EPILOG,

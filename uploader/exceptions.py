@@ -5,6 +5,10 @@ class they can act on. Messages name the bucket and endpoint but never a credent
 """
 from __future__ import annotations
 
+import errno as _errno
+
+_OUT_OF_ROOM = frozenset({_errno.ENOSPC, _errno.EDQUOT, _errno.EFBIG})
+
 
 class UploaderError(Exception):
     """Base class: anything the storage side refuses or cannot do."""
@@ -42,6 +46,22 @@ class BucketNotFound(StorageError):
 
 class TransientStorageError(StorageError):
     """The storage stayed unreachable, slow or throttling after every retry the UploadConfig allows."""
+
+
+class LocalWriteError(UploaderError):
+    """A download could not be written to the local disk: full, over a quota, read-only or failing.
+    Nothing remote changed, and no retry is made: only freeing space (or another folder) helps.
+    ``reason`` is the system's own words (``No space left on device``) and ``errno`` its number, for a
+    caller that rewords."""
+
+    def __init__(self, message: str, reason: str = "", errno: int | None = None) -> None:
+        super().__init__(message)
+        self.reason, self.errno = reason or message, errno
+
+    @property
+    def out_of_room(self) -> bool:
+        """The disk, a quota or a file size limit is full (rather than read-only or failing)."""
+        return self.errno in _OUT_OF_ROOM
 
 
 class Aborted(UploaderError):

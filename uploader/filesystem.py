@@ -30,6 +30,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
+from uploader.destination import Destination
 from uploader.exceptions import Aborted, AuthError, BucketNotFound, CorruptCheckpoint, StorageError
 from uploader.hashing import CHUNK, StreamDigest, fsync_path, tagged
 from uploader.manifest import open_regular
@@ -155,7 +156,7 @@ class FileRemote:
         on_bytes: OnBytes | None = None,
         abort: threading.Event | None = None,
     ) -> None:
-        with self._open_object(key) as reader, open(path, "wb") as dst:
+        with self._open_object(key) as reader, Destination(path, size) as dst:
             actual_size, actual_digest = _copy(reader, dst, block_size, algorithm, on_bytes, abort, durable=False,
                                                limit=size + 1)
         if actual_size != size:
@@ -260,8 +261,9 @@ def _refused(what: str, e: OSError) -> StorageError:
     return StorageError(f"{what}: {e.strerror}")
 
 
-def _copy(src: BinaryIO, dst: BinaryIO, block_size: int | None, algorithm: str, on_bytes: OnBytes | None,
-          abort: threading.Event | None, durable: bool = True, limit: int | None = None) -> tuple[int, str]:
+def _copy(src: BinaryIO, dst: BinaryIO | Destination, block_size: int | None, algorithm: str,
+          on_bytes: OnBytes | None, abort: threading.Event | None, durable: bool = True,
+          limit: int | None = None) -> tuple[int, str]:
     """Copy in large chunks, hashing on the way (each byte read once); fsync the destination when
     ``durable`` (an object of the remote; a download is not, see Remote.get_file). At most ``limit``
     bytes are read and written (a download stops one byte past the size it expects)."""

@@ -90,7 +90,8 @@ class Remote(Protocol):
         on_bytes: OnBytes | None = None,
         abort: threading.Event | None = None,
     ) -> None:
-        """Download into ``path``, hashing while writing; CorruptCheckpoint if missing or different.
+        """Download into ``path``, hashing while writing; CorruptCheckpoint if missing or different,
+        LocalWriteError if ``path`` cannot take it (its size is reserved first: uploader.destination).
 
         Not fsynced: the remote holds the durable copy, and a local checkpoint is verified before any
         use (uploader.sync, "Pull"), so waiting here for the disk would only delay a resume.

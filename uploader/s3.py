@@ -48,6 +48,7 @@ from tenacity import RetryError
 
 from uploader.config import MAX_PART_SIZE, MAX_PARTS, KiB, MiB, UploadConfig
 from uploader.deadline import DeadlineExceeded, bounded, track
+from uploader.destination import Destination
 from uploader.exceptions import (
     Aborted,
     AuthError,
@@ -370,9 +371,8 @@ class S3Remote:
         # here, asleep, costs nothing, where eight writers spinning on it in the kernel cost ~20 % CPU.
         write_lock = threading.Lock()
 
-        with open(path, "w+b") as f:
-            fd = f.fileno()
-            os.ftruncate(fd, size)  # every range lands in place, in parallel, as it arrives
+        with Destination(path, size) as dest:  # its size reserved: a full disk fails here, not at 90 %
+            fd = dest.fileno()
 
             def fetch(span: tuple[int, int]) -> tuple[int, int]:
                 """Stream one range straight into its place in the file (no part-sized buffer), hashing
@@ -387,7 +387,7 @@ class S3Remote:
                         if not hasattr(buffers, "chunk"):
                             buffers.chunk = bytearray(STREAM_CHUNK)
                         # Each attempt hashes afresh: a retried range must not count its first bytes twice.
-                        _stream_into(body, fd, first, last - first + 1, buffers.chunk, write_lock,
+                        _stream_into(body, dest, first, last - first + 1, buffers.chunk, write_lock,
                                      received.part(first))
 
                 self._call(f"GET {key} bytes {first}-{last}", op, should_abort)
@@ -629,9 +629,9 @@ def get_range_size(size: int, config: UploadConfig) -> int:
     return max(config.part_size, min(per_worker, MAX_GET_RANGE))
 
 
-def _stream_into(body: Any, fd: int, offset: int, length: int, chunk: bytearray, write_lock: threading.Lock,
-                 hasher: RangeHasher | None = None) -> None:
-    """Copy a response body of ``length`` bytes to ``fd`` at ``offset``, one reused chunk at a time,
+def _stream_into(body: Any, dest: Destination, offset: int, length: int, chunk: bytearray,
+                 write_lock: threading.Lock, hasher: RangeHasher | None = None) -> None:
+    """Copy a response body of ``length`` bytes to ``dest`` at ``offset``, one reused chunk at a time,
     hashing each chunk (format 2) while it is still in this thread's cache, and writing it in
     WRITE_SLICE pieces.
 
@@ -655,9 +655,9 @@ def _stream_into(body: Any, fd: int, offset: int, length: int, chunk: bytearray,
             raise http.client.IncompleteRead(b"", length - done)
         if hasher is not None:
             hasher.update(want[:n])  # outside the lock: eight ranges hash on as many cores as there are
-        with write_lock:
+        with write_lock, dest.writing():  # a full disk is LocalWriteError: never retried, never "the network"
             for start in range(0, n, WRITE_SLICE):
-                pwrite_all(fd, want[start : min(start + WRITE_SLICE, n)], offset + done + start)
+                pwrite_all(dest.fd, want[start : min(start + WRITE_SLICE, n)], offset + done + start)
         done += n
     if readinto is not None and raw.isclosed():
         # Read to its end past urllib3, which therefore does not know it can reuse the connection:

@@ -11,7 +11,9 @@ uploader.local.commit; a checkpoint that does not verify is skipped with a warni
 files are not fsynced, only the manifest and the rename: the remote keeps the durable copy, and a
 pulled checkpoint torn by a power cut fails its verification on the next start-up, like any corrupt
 one, and is pulled again (job.app.choose). Waiting for the disk would cost a resume a second pass
-at disk speed (8 s per GiB on a 125 MB/s cloud volume) for nothing.
+at disk speed (8 s per GiB on a 125 MB/s cloud volume) for nothing. A local disk that cannot take the
+download is LocalWriteError, never a reason to skip or set aside the remote checkpoint: it is not the
+checkpoint that is wrong.
 
 Retention counts back from the checkpoint just uploaded (verified byte for byte on its way up): it
 keeps that one and the ``keep - 1`` complete ones before it, and deletes older ones, manifest first,
@@ -39,16 +41,17 @@ read again, and a checkpoint whose manifest changed meanwhile (a re-save) is lef
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import shutil
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from uploader.exceptions import CorruptCheckpoint, ManifestError, StorageError, UnsupportedFormat
+from uploader.exceptions import CorruptCheckpoint, LocalWriteError, ManifestError, StorageError, UnsupportedFormat
 from uploader.hashing import tagged
 from uploader.layout import (
     LATEST_KEY,
@@ -61,7 +64,7 @@ from uploader.layout import (
 )
 from uploader.local import CORRUPT_PREFIX, LocalCheckpoint, checkpoint_name, commit, list_committed, set_aside, staging_dir
 from uploader.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, node_part, open_regular
-from uploader.progress import Progress
+from uploader.progress import Progress, human_bytes
 from uploader.remote import ObjectInfo, Remote
 
 logger = logging.getLogger(__name__)
@@ -199,15 +202,20 @@ def pull_files(remote: Remote, manifest: Manifest, paths: Collection[str], dest:
     if unknown:
         raise CorruptCheckpoint(f"{name}: its manifest lists no {', '.join(map(repr, unknown[:3]))}")
     wanted = [entries[p] for p in sorted(set(paths))]
-    dest.mkdir(parents=True, exist_ok=True)
-    progress = Progress(f"download {len(wanted)} of {len(entries)} files of {name}", sum(f.size for f in wanted))
-    for entry in wanted:
-        target = _inside(dest, entry.path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        remote.get_file(data_key(name, entry.path), target, size=entry.size, digest=entry.digest,
-                        algorithm=entry.algorithm, block_size=entry.block_size, on_bytes=progress.add, abort=abort)
-    progress.close()
-    return sum(f.size for f in wanted)
+    size = sum(f.size for f in wanted)
+    with _landing(name, size, dest):
+        with _local_disk():
+            dest.mkdir(parents=True, exist_ok=True)
+        progress = Progress(f"download {len(wanted)} of {len(entries)} files of {name}", size)
+        for entry in wanted:
+            target = _inside(dest, entry.path)
+            with _local_disk():
+                target.parent.mkdir(parents=True, exist_ok=True)
+            remote.get_file(data_key(name, entry.path), target, size=entry.size, digest=entry.digest,
+                            algorithm=entry.algorithm, block_size=entry.block_size, on_bytes=progress.add,
+                            abort=abort)
+        progress.close()
+    return size
 
 
 def set_aside_if_unchanged(remote: Remote, manifest: Manifest, reason: str) -> None:
@@ -464,19 +472,46 @@ def _verified_local(folder: Path, step: int) -> LocalCheckpoint | None:
 def _download(
     remote: Remote, name: str, manifest: Manifest, folder: Path, abort: threading.Event | None
 ) -> LocalCheckpoint:
-    staging = staging_dir(folder, manifest.step)
+    with _landing(name, manifest.total_size, folder):
+        with _local_disk():
+            staging = staging_dir(folder, manifest.step)
+        try:
+            progress = Progress(f"download {name}", manifest.total_size)
+            for entry in manifest.files:
+                dest = _inside(staging, entry.path)
+                with _local_disk():
+                    dest.parent.mkdir(parents=True, exist_ok=True)
+                remote.get_file(data_key(name, entry.path), dest, size=entry.size, digest=entry.digest,
+                                algorithm=entry.algorithm, block_size=entry.block_size, on_bytes=progress.add,
+                                abort=abort)
+            progress.close()
+            with _local_disk():
+                return commit(staging, manifest)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)  # the space it took is given back at once
+            raise
+
+
+@contextlib.contextmanager
+def _local_disk() -> Iterator[None]:
+    """An OSError in the block is the local disk's (the remote's own errors are StorageError)."""
     try:
-        progress = Progress(f"download {name}", manifest.total_size)
-        for entry in manifest.files:
-            dest = _inside(staging, entry.path)
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            remote.get_file(data_key(name, entry.path), dest, size=entry.size, digest=entry.digest,
-                            algorithm=entry.algorithm, block_size=entry.block_size, on_bytes=progress.add, abort=abort)
-        progress.close()
-        return commit(staging, manifest)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        yield
+    except OSError as e:
+        reason = e.strerror or str(e)
+        raise LocalWriteError(f"{e.filename or 'local disk'}: {reason}", reason, e.errno) from None
+
+
+@contextlib.contextmanager
+def _landing(name: str, size: int, folder: Path) -> Iterator[None]:
+    """A download's local write failing (a full disk, a quota, a read-only volume) is one line naming the
+    checkpoint, the folder and the room it needs; exit code 7 at both CLIs."""
+    try:
+        yield
+    except LocalWriteError as e:
+        todo = "make room there or use another folder" if e.out_of_room else "use a folder this process can write"
+        raise LocalWriteError(f"cannot download {name} ({human_bytes(size)}) into {folder}: {e.reason}; {todo} "
+                              "(the remote checkpoint is untouched)", e.reason, e.errno) from None
 
 
 def _inside(staging: Path, relpath: str) -> Path:

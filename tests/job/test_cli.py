@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import json
-import resource
-import signal
 
 import pytest
 
 from job.cli import main
 from tests.support.checkpoints import checkpoints_of
+from tests.support.disk import limit_file_size
 from tests.support.jobs import events, inspect, job_env, run_job
 from uploader import local
 
@@ -146,19 +145,12 @@ def test_hostile_checkpoint_is_refused_by_the_cli(tmp_path):
     assert not sentinel.exists()
 
 
-def _limit_file_size(limit: int):
-    def apply() -> None:
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG, like a full disk
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-    return apply
-
-
 def test_full_disk_fails_clearly_and_keeps_the_last_good_checkpoint(tmp_path):
     folder = tmp_path / "ck"
     assert run_job("train", *TINY_ARGS, "--save-folder", str(folder)).returncode == 0
     before = inspect(folder)
     done = run_job("train", *TINY_ARGS, "--max-duration", "60ba", "--save-folder", str(folder),
-                   "--save-interval", "10ba", preexec_fn=_limit_file_size(16 * 1024))
+                   "--save-interval", "10ba", preexec_fn=limit_file_size(16 * 1024))
     assert done.returncode == 7, done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("job: error: cannot write a checkpoint") and "previous checkpoint is untouched" in last

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from tests.support.disk import limit_file_size
 from tests.support.jobs import events, inspect, run_job, s3_job_env
 from tests.support.polling import wait_until
 from tests.support.s3server import READER, Credentials, fast_config
@@ -97,6 +98,25 @@ def test_sidecar_mode_writes_locally_and_uploader_watch_uploads(spawn, tmp_path,
     shutil.rmtree(folder)
     info = json.loads(run_job("inspect", remote, env=env).stdout)
     assert info["model_sha256"] == uninterrupted["model_sha256"]
+
+
+def test_a_disk_too_full_for_the_start_up_pull_exits_7_with_one_line(tmp_path, s3_bucket):
+    """A spot node that came back with a smaller disk: say so, before training, and keep the bucket's
+    checkpoint as it is (not set aside, not replaced by an older one)."""
+    env, remote = s3_job_env(s3_bucket), s3_bucket.url("full")
+    assert run_job("train", *ARGS, "--max-duration", "20ba", "--save-folder", str(tmp_path / "a"), "--remote", remote,
+                   env=env).returncode == 0
+    kept, folder = remote_steps(s3_bucket, "full"), tmp_path / "b"
+    done = run_job("train", *ARGS, "--max-duration", "40ba", "--save-folder", str(folder), "--remote", remote, env=env,
+                   preexec_fn=limit_file_size(16 * 1024))
+    assert done.returncode == 7, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"job: error: cannot download step-000000000020 (") and last.endswith(
+        f"into {folder}: File too large; make room there or use another folder (the remote checkpoint is untouched)")
+    assert "Traceback" not in done.stderr
+    assert not {"progress", "checkpoint"} & {e.get("event") for e in events(done.stderr)}  # before any training
+    assert remote_steps(s3_bucket, "full") == kept
+    assert not list(folder.glob("step-*")) and not list(folder.glob(".staging*"))
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from typing import Any
 
 from tests.support.s3server import Bucket, Credentials
 
@@ -11,8 +12,8 @@ def uploader_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "uploader", *args]
 
 
-def run_cli(args: list[str], env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(uploader_command(*args), env=env, capture_output=True, text=True, timeout=timeout)
+def run_cli(args: list[str], env: dict[str, str], timeout: float = 60, **kw: Any) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(uploader_command(*args), env=env, capture_output=True, text=True, timeout=timeout, **kw)
 
 
 def cli_env(bucket: Bucket, credentials: Credentials | None = None, *, endpoint_url: str | None = None,

@@ -59,3 +59,19 @@ def immutable_folder(tmp_path: Path) -> Iterator[Path]:
         yield folder
     finally:
         subprocess.run([chattr, "-i", str(folder)], check=True)
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A real filesystem with 8 MiB of room (a tmpfs), where writes past it fail with a real ENOSPC.
+    Skipped where this process may not mount one (not root, or a sandbox without CAP_SYS_ADMIN)."""
+    folder = tmp_path / "small-disk"
+    folder.mkdir()
+    mount, umount = shutil.which("mount"), shutil.which("umount")
+    if mount is None or umount is None or subprocess.run(
+            [mount, "-t", "tmpfs", "-o", "size=8m", "spot-trainer-test", str(folder)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        yield folder
+    finally:
+        subprocess.run([umount, str(folder)], check=True)

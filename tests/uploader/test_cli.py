@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 
 from tests.support.checkpoints import corrupt_file, data_files_of, make_checkpoint
+from tests.support.disk import limit_file_size
 from tests.support.s3server import ADMIN, Bucket, isolated_aws_env
 from tests.support.uploader_cli import cli_env, run_cli
+from uploader.progress import human_bytes
 
 
 @pytest.mark.s3
@@ -58,6 +60,22 @@ def test_pull_with_no_checkpoint_exits_6_with_one_line(tmp_path: Path) -> None:
         f"uploader: error: no complete checkpoint that verifies under file://{tmp_path / 'empty'} "
         f"(folder {str(tmp_path / 'empty')!r}); start from scratch or check the remote URL"
     ]
+
+
+def test_pull_onto_a_full_disk_exits_7_with_one_line_and_changes_nothing(tmp_path: Path) -> None:
+    remote_dir, restore = tmp_path / "remote", tmp_path / "restore"
+    url, env = f"file://{remote_dir}", isolated_aws_env(ADMIN)
+    ckpt = make_checkpoint(tmp_path / "local", 10)
+    assert run_cli(["sync", str(tmp_path / "local"), url], env).returncode == 0
+    before = data_files_of(remote_dir / ckpt.name)
+
+    pull = run_cli(["pull", url, str(restore)], env, preexec_fn=limit_file_size(16 * 1024))
+
+    assert pull.returncode == 7, pull.stderr
+    assert pull.stderr.strip().splitlines()[-1] == (
+        f"uploader: error: cannot download {ckpt.name} ({human_bytes(ckpt.manifest().total_size)}) into {restore}: "
+        "File too large; make room there or use another folder (the remote checkpoint is untouched)")
+    assert list(restore.iterdir()) == [] and data_files_of(remote_dir / ckpt.name) == before
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,7 @@
 """The commit protocol (push, pull, retention, resume), run against both a file:// and an S3 remote."""
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -17,13 +18,17 @@ from tests.support.checkpoints import (
     data_files_of,
     make_checkpoint,
 )
+from tests.support.disk import fake_fallocate, fill_disk_after
 from tests.support.recording import RecordingRemote
-from uploader.exceptions import CorruptCheckpoint, UnsupportedFormat
+from uploader import destination
+from uploader.exceptions import CorruptCheckpoint, LocalWriteError, UnsupportedFormat
 from uploader.filesystem import FileRemote
 from uploader.layout import LATEST_KEY, data_key, manifest_key
 from uploader.local import STAGING_PREFIX, LocalCheckpoint, checkpoint_name, list_committed, list_set_aside, newest_verified
+from uploader.progress import human_bytes
 from uploader.remote import Remote
 from uploader.sync import list_remote, newest_complete, pull_newest, push, push_all
+from uploader.sync import list_set_aside as remote_set_aside
 
 
 def xattrs_supported(folder: Path) -> bool:
@@ -218,6 +223,87 @@ def test_corrupt_remote_checkpoint_is_skipped_for_the_previous_one(
     assert "fails its blake3 check" in caplog.text and newest.name in caplog.text
     assert [c.step for c in list_committed(restore)] == [100]
     assert not [p for p in restore.iterdir() if p.name.startswith(STAGING_PREFIX)]
+
+
+def full_disk_message(ckpt: LocalCheckpoint, folder: Path) -> str:
+    return (f"cannot download {ckpt.name} ({human_bytes(ckpt.manifest().total_size)}) into {folder}: No space left "
+            "on device; make room there or use another folder (the remote checkpoint is untouched)")
+
+
+def test_a_disk_that_fills_up_during_a_pull_is_one_clear_error_and_loses_nothing(
+    remote: Remote, local: Path, restore: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not a network failure, not a corrupt checkpoint (nothing is set aside), not an older checkpoint
+    instead: the newest one is what the job needs, and the disk is what must change."""
+    push(make_checkpoint(local, 100), remote, keep=3)
+    newest = make_checkpoint(local, 200, WITH_LARGE_FILE)
+    push(newest, remote, keep=3)
+    written = fill_disk_after(monkeypatch, 3 * 1024 * 1024)
+
+    with pytest.raises(LocalWriteError) as raised:
+        pull_newest(remote, restore)
+
+    assert str(raised.value) == full_disk_message(newest, restore)
+    assert 0 < sum(written) <= 3 * 1024 * 1024
+    assert list(restore.iterdir()) == []  # the part it had written is given back
+    assert complete_steps(remote) == [100, 200] and remote_set_aside(remote) == []
+    monkeypatch.undo()
+    pulled = pull_newest(remote, restore)
+    assert pulled is not None and data_files_of(pulled.path) == data_files_of(newest.path)
+
+
+def test_a_disk_too_small_for_a_file_fails_before_a_byte_of_it_is_written(
+    remote: Remote, local: Path, restore: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    newest = make_checkpoint(local, 300, WITH_LARGE_FILE)
+    push(newest, remote, keep=3)
+    call, asked = fake_fallocate(errno.ENOSPC)
+    monkeypatch.setattr(destination, "_fallocate", call)
+    written = fill_disk_after(monkeypatch, 1 << 40)  # room enough: only counts
+
+    with pytest.raises(LocalWriteError) as raised:
+        pull_newest(remote, restore)
+
+    assert str(raised.value) == full_disk_message(newest, restore)
+    assert asked == [next(f.size for f in newest.manifest().files if f.size)] and written == []
+    assert list(restore.iterdir()) == [] and complete_steps(remote) == [300]
+
+
+def test_a_folder_that_cannot_be_written_is_named_with_what_to_do(remote: Remote, local: Path, tmp_path: Path) -> None:
+    ckpt = make_checkpoint(local, 100)
+    push(ckpt, remote, keep=3)
+    (tmp_path / "a-file").write_text("")
+    folder = tmp_path / "a-file" / "ck"
+
+    with pytest.raises(LocalWriteError) as raised:
+        pull_newest(remote, folder)
+
+    assert str(raised.value) == (f"cannot download {ckpt.name} ({human_bytes(ckpt.manifest().total_size)}) into "
+                                 f"{folder}: Not a directory; use a folder this process can write (the remote "
+                                 "checkpoint is untouched)")
+    assert complete_steps(remote) == [100]
+
+
+def test_a_real_disk_too_small_refuses_the_file_before_writing_it_and_an_older_checkpoint_fits(
+    remote: Remote, local: Path, small_disk: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """8 MiB of room and an 11 MiB file: the kernel's ENOSPC comes from the reservation, so none of the
+    file's bytes are fetched or written; an explicitly asked-for older checkpoint that fits still pulls."""
+    older = make_checkpoint(local, 100)
+    push(older, remote, keep=3)
+    newest = make_checkpoint(local, 200, WITH_LARGE_FILE)
+    push(newest, remote, keep=3)
+    written = fill_disk_after(monkeypatch, 1 << 40)  # the disk is real here: this only counts
+    folder = small_disk / "ck"
+
+    with pytest.raises(LocalWriteError) as raised:
+        pull_newest(remote, folder)
+
+    assert str(raised.value) == full_disk_message(newest, folder)
+    assert sum(written) == sum(SMALL_FILES.values())  # the files before big.bin, none of its bytes
+    assert list(folder.iterdir()) == []
+    pulled = pull_newest(remote, folder, step=100)
+    assert pulled is not None and data_files_of(pulled.path) == data_files_of(older.path)
 
 
 def test_a_remote_checkpoint_of_a_newer_format_is_refused_not_skipped(remote: Remote, local: Path, restore: Path) -> None:

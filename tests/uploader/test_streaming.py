@@ -11,6 +11,7 @@ import pytest
 
 from uploader.retry import is_transient
 from uploader.config import MiB, UploadConfig
+from uploader.destination import Destination
 from uploader.s3 import MAX_GET_RANGE, _stream_into, get_range_size
 
 
@@ -27,24 +28,16 @@ class PlainBody:
 def test_a_plain_body_lands_at_its_offset_through_the_small_buffer(tmp_path: Path) -> None:
     data = os.urandom(10_000)
     path = tmp_path / "file"
-    path.write_bytes(b"\0" * 12_000)
-    fd = os.open(path, os.O_RDWR)
-    try:
-        _stream_into(PlainBody(data), fd, 1_000, len(data), bytearray(4096), threading.Lock())
-    finally:
-        os.close(fd)
+    with Destination(path, 12_000) as dest:
+        _stream_into(PlainBody(data), dest, 1_000, len(data), bytearray(4096), threading.Lock())
     written = path.read_bytes()
     assert written[1_000:11_000] == data
     assert written[:1_000] == written[11_000:] == b"\0" * 1_000
 
 
 def test_a_body_that_ends_early_is_a_transient_error(tmp_path: Path) -> None:
-    fd = os.open(tmp_path / "file", os.O_RDWR | os.O_CREAT)
-    try:
-        with pytest.raises(http.client.IncompleteRead) as raised:
-            _stream_into(PlainBody(b"x" * 100), fd, 0, 1_000, bytearray(64), threading.Lock())
-    finally:
-        os.close(fd)
+    with Destination(tmp_path / "file", 1_000) as dest, pytest.raises(http.client.IncompleteRead) as raised:
+        _stream_into(PlainBody(b"x" * 100), dest, 0, 1_000, bytearray(64), threading.Lock())
     assert is_transient(raised.value)
 
 

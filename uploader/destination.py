@@ -1,0 +1,117 @@
+"""The local file a download lands in: its whole size reserved before the first byte is fetched, and a
+failed local write named as such.
+
+A pull onto a disk that cannot hold the checkpoint (a spot node that came back with a smaller disk, a
+volume filled by something else) must end with one line saying so, and the documented exit code
+(README, "Exit codes"), not as a network failure or a traceback: every local write of a download
+raises LocalWriteError. Reserving the size first (``fallocate(2)``) makes such a disk fail at once,
+before a gigabyte is fetched and thrown away, rather than near the end of the download.
+
+glibc's ``posix_fallocate`` is not used: on a filesystem without ``fallocate`` (some FUSE and network
+mounts) it emulates the call by writing into every block of the file, a second write of the whole
+download. There the reservation is skipped, and a full disk shows at the write that meets it.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from types import TracebackType
+
+from uploader.exceptions import LocalWriteError
+from uploader.hashing import pwrite_all
+
+logger = logging.getLogger(__name__)
+
+# fallocate(2) answers these on filesystems that do not implement it: skip the reservation there.
+_UNSUPPORTED = frozenset({errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL})
+
+
+def _load_fallocate() -> ctypes._CFuncPtr | None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        fn = libc.fallocate64 if hasattr(libc, "fallocate64") else libc.fallocate
+    except (OSError, AttributeError):  # not Linux: no reservation
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_fallocate = _load_fallocate()
+
+
+def reserve(fd: int, size: int) -> bool:
+    """Allocate ``size`` bytes of disk for ``fd`` (the file grows to ``size`` if it was shorter); False
+    where the filesystem cannot, OSError (ENOSPC, EDQUOT, EFBIG) where the space is not there."""
+    if size <= 0 or _fallocate is None:
+        return False
+    while _fallocate(fd, 0, 0, size) != 0:
+        err = ctypes.get_errno()
+        if err == errno.EINTR:
+            continue
+        if err in _UNSUPPORTED:
+            return False
+        raise OSError(err, os.strerror(err))
+    return True
+
+
+class Destination:
+    """A download's file: created (emptied if it existed) at its final size with that space reserved,
+    written at offsets by any number of threads (``pwrite``) or in order (``write``). Every OSError of
+    the local side is a LocalWriteError naming the file."""
+
+    def __init__(self, path: Path, size: int) -> None:
+        self.path, self.size = path, size
+        self._offset = 0  # where write() appends
+        with self.writing():
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            with self.writing():
+                os.ftruncate(self.fd, size)  # every range can land in place, in any order
+                if not reserve(self.fd, size):
+                    logger.debug("%s: no fallocate on this filesystem; space is not reserved ahead", path)
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[None]:
+        """Turn an OSError of the block into LocalWriteError (the local disk, not the remote, failed)."""
+        try:
+            yield
+        except OSError as e:
+            reason = e.strerror or str(e)
+            raise LocalWriteError(f"cannot write {self.path}: {reason}", reason, e.errno) from None
+
+    def write(self, data: bytes | memoryview) -> int:
+        with self.writing():
+            pwrite_all(self.fd, memoryview(data), self._offset)
+        self._offset += len(data)
+        return len(data)
+
+    @property
+    def name(self) -> str:
+        return str(self.path)
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def flush(self) -> None:
+        """Nothing is buffered here (file-object compatibility for uploader.filesystem's copy)."""
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> Destination:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
