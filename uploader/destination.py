@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import errno
 import logging
 import os
@@ -33,8 +32,11 @@ _UNSUPPORTED = frozenset({errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL})
 
 
 def _load_fallocate() -> ctypes._CFuncPtr | None:
+    # The process's own symbols hold libc's (glibc and musl): no library search, which would run
+    # `ldconfig -p` in a subprocess at import. glibc's fallocate64 takes 64-bit offsets on 32-bit
+    # builds too; where only fallocate exists (musl, 64-bit glibc) off_t is 64 bits already.
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        libc = ctypes.CDLL(None, use_errno=True)
         fn = libc.fallocate64 if hasattr(libc, "fallocate64") else libc.fallocate
     except (OSError, AttributeError):  # not Linux: no reservation
         return None
