@@ -156,9 +156,13 @@ class FileRemote:
         on_bytes: OnBytes | None = None,
         abort: threading.Event | None = None,
     ) -> None:
-        with self._open_object(key) as reader, Destination(path, size) as dst:
-            actual_size, actual_digest = _copy(reader, dst, block_size, algorithm, on_bytes, abort, durable=False,
-                                               limit=size + 1)
+        with self._open_object(key) as reader:
+            stored = os.fstat(reader.fileno()).st_size
+            if stored != size:  # before reserving the manifest's size: a damaged manifest is not a full disk
+                raise CorruptCheckpoint(f"{self.url}/{key} has {stored} bytes, the manifest says {size}")
+            with Destination(path, size) as dst:
+                actual_size, actual_digest = _copy(reader, dst, block_size, algorithm, on_bytes, abort,
+                                                   durable=False, limit=size + 1)
         if actual_size != size:
             raise CorruptCheckpoint(f"{self.url}/{key} has {'more than ' if actual_size > size else ''}"
                                     f"{min(actual_size, size)} bytes, the manifest says {size}")

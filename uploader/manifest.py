@@ -59,6 +59,7 @@ MAX_BLOCK_SIZE = 64 * 1024 * 1024
 MAX_FILE_SIZE = 2**50  # 1 PiB: any real file; keeps sizes far from float and int64 trouble
 MAX_STEP = 10**12 - 1  # step folder names have 12 digits
 MAX_PATH_CHARS = 1024
+MAX_NAME_BYTES = 255  # NAME_MAX: the longest folder or file name Linux filesystems take
 MAX_NODES = 100_000
 _SAVE_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}", re.ASCII)  # one save's parts, across nodes
 # The payload the job loads (job.checkpoint.STATE_FILE; job.sharded and job.dcp_storage for a sharded
@@ -83,6 +84,13 @@ def safe_relpath(name: str) -> str:
     p = PurePosixPath(name)
     if p.is_absolute() or any(part in ("..", ".", "") for part in name.split("/")):
         raise ManifestError(f"unsafe file name in manifest: {name!r} (absolute or '..' paths are refused)")
+    try:
+        longest = max(len(part.encode()) for part in name.split("/"))
+    except UnicodeEncodeError:  # a lone surrogate from JSON's \ud800: no file can have that name
+        raise ManifestError(f"unsafe file name in manifest: {name!r} (not valid Unicode)") from None
+    if longest > MAX_NAME_BYTES:  # a damaged manifest, not a full or read-only disk (ENAMETOOLONG)
+        raise ManifestError(f"file name in manifest has a part longer than {MAX_NAME_BYTES} bytes, "
+                            "which no Linux filesystem can hold")
     if name == MANIFEST_NAME:
         raise ManifestError("a manifest cannot list itself")
     return name

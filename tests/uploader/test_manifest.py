@@ -141,3 +141,18 @@ def test_a_sharded_checkpoint_lists_metadata_replicated_state_rank_files_and_dat
 def test_a_sharded_manifest_lists_exactly_its_layout(paths: list[str], reason: str) -> None:
     with pytest.raises(ManifestError, match=reason):
         Manifest.from_json(sharded(paths))
+
+
+@pytest.mark.parametrize(("name", "why"), [
+    ("x" * 256, "longer than 255 bytes"),
+    ("sub/" + "é" * 128, "longer than 255 bytes"),  # 128 characters, 256 bytes in UTF-8
+    ("\ud800.pt", "not valid Unicode"),
+])
+def test_a_name_no_filesystem_can_hold_is_a_damaged_manifest(name: str, why: str) -> None:
+    """Refused as damage (skipped, set aside), not met later as a local error that reads like a bad disk."""
+    raw = json.loads(doc(3))
+    raw["files"].append({**raw["files"][0], "path": name})
+    with pytest.raises(ManifestError, match=why):
+        Manifest.from_json(json.dumps(raw).encode())
+    raw["files"][1]["path"] = "x" * 255
+    assert Manifest.from_json(json.dumps(raw).encode()).files[1].path == "x" * 255

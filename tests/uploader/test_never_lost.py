@@ -134,9 +134,22 @@ def test_a_file_remote_never_follows_a_link_to_dev_zero(tmp_path: Path, restore:
     assert pulled is not None and pulled.step == 10
 
 
-def test_a_file_remote_download_stops_one_byte_past_the_declared_size(tmp_path: Path) -> None:
+def test_a_file_remote_object_longer_than_declared_is_refused_before_a_byte_is_copied(tmp_path: Path) -> None:
     remote = FileRemote(tmp_path / "remote")
     remote.write_bytes("step-000000000001/state.pt", os.urandom(3 * 1024 * 1024))
+    out = tmp_path / "out"
+    with pytest.raises(CorruptCheckpoint, match=f"has {3 * 1024 * 1024} bytes, the manifest says 1000$"):
+        remote.get_file("step-000000000001/state.pt", out, size=1000, digest="0" * 64, algorithm="sha256")
+    assert not out.exists()
+
+
+def test_a_file_remote_object_growing_while_copied_stops_one_byte_past_the_declared_size(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    remote = FileRemote(tmp_path / "remote")
+    remote.write_bytes("step-000000000001/state.pt", os.urandom(3 * 1024 * 1024))
+    real_fstat = os.fstat
+    # Measured at 1000 bytes, as if written to after that: the copy must still stop at 1001.
+    monkeypatch.setattr(os, "fstat", lambda fd: os.stat_result((*real_fstat(fd)[:6], 1000, *real_fstat(fd)[7:])))
     out = tmp_path / "out"
     with pytest.raises(CorruptCheckpoint, match="more than 1000 bytes"):
         remote.get_file("step-000000000001/state.pt", out, size=1000, digest="0" * 64, algorithm="sha256")
