@@ -19,6 +19,7 @@ Exit codes:
     4  the bucket (for file://, the folder above the remote path) does not exist
     5  storage unreachable or failing after every retry (watch: grace period over before the upload ended)
     6  no complete checkpoint found, or the checkpoint is corrupt
+    7  pull: the local folder cannot take the download (disk full, quota, file size limit, read-only)
 
 Errors are one line on stderr, without a traceback (``--log-level debug`` logs it).
 """

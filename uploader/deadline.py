@@ -37,6 +37,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+from uploader.exceptions import LocalWriteError
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -183,7 +185,8 @@ def bounded(deadline: float, fn: Callable[[], T], budget: float | None = None) -
     """Run ``fn`` as one attempt that ends by ``deadline`` (time.monotonic()): its tracked
     connections are cut when it is reached, and then DeadlineExceeded is raised whatever ``fn`` did
     (chained to its exception, if any: a cut response fails in many ways, some of which look
-    permanent, such as an XML parse error). ``budget`` (seconds) only words the message.
+    permanent, such as an XML parse error), except a LocalWriteError, which no cut connection causes.
+    ``budget`` (seconds) only words the message.
     KeyboardInterrupt and other BaseExceptions pass unchanged."""
     with _WATCHDOG.attempt(deadline) as attempt:
         try:
@@ -192,7 +195,7 @@ def bounded(deadline: float, fn: Callable[[], T], budget: float | None = None) -
             failure: Exception | None = e
         else:
             failure = None
-    if attempt.fired:
+    if attempt.fired and not isinstance(failure, LocalWriteError):  # the local disk failed, whatever the clock
         limit = f"the {budget:g} s retry budget (max_retry_seconds)" if budget is not None else "its deadline"
         raise DeadlineExceeded(f"no complete response within {limit}; the connection was cut") from failure
     if failure is not None:

@@ -51,7 +51,9 @@ _fallocate = _load_fallocate()
 def reserve(fd: int, size: int) -> bool:
     """Allocate ``size`` bytes of disk for ``fd`` (the file grows to ``size`` if it was shorter); False
     where the filesystem cannot, OSError (ENOSPC, EDQUOT, EFBIG) where the space is not there."""
-    if size <= 0 or _fallocate is None:
+    if size <= 0:
+        return True
+    if _fallocate is None:
         return False
     while _fallocate(fd, 0, 0, size) != 0:
         err = ctypes.get_errno()
@@ -72,7 +74,8 @@ class Destination:
         self.path, self.size = path, size
         self._offset = 0  # where write() appends
         with self.writing():
-            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            # Never through a link left at the path: the file is ours to create (ELOOP otherwise).
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
         try:
             with self.writing():
                 os.ftruncate(self.fd, size)  # every range can land in place, in any order
@@ -108,12 +111,18 @@ class Destination:
         """Nothing is buffered here (file-object compatibility for uploader.filesystem's copy)."""
 
     def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        """Close once; a network filesystem may report a full disk only here (NFS: ENOSPC, EDQUOT)."""
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            with self.writing():
+                os.close(fd)
 
     def __enter__(self) -> Destination:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        self.close()
+        try:
+            self.close()
+        except LocalWriteError:
+            if exc is None:
+                raise  # otherwise the error already in flight is the one to report

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import errno as _errno
 
-_OUT_OF_ROOM = frozenset({_errno.ENOSPC, _errno.EDQUOT, _errno.EFBIG})
-
 
 class UploaderError(Exception):
     """Base class: anything the storage side refuses or cannot do."""
@@ -59,9 +57,13 @@ class LocalWriteError(UploaderError):
         self.reason, self.errno = reason or message, errno
 
     @property
-    def out_of_room(self) -> bool:
-        """The disk, a quota or a file size limit is full (rather than read-only or failing)."""
-        return self.errno in _OUT_OF_ROOM
+    def advice(self) -> str:
+        """What to do about it, by the system's reason."""
+        if self.errno in (_errno.ENOSPC, _errno.EDQUOT):
+            return "make room there or use another folder"
+        if self.errno == _errno.EFBIG:  # RLIMIT_FSIZE (ulimit -f), or the filesystem's largest file (FAT32)
+            return "raise the file size limit (ulimit -f) or use another filesystem"
+        return "use a folder this process can write"
 
 
 class Aborted(UploaderError):

@@ -399,7 +399,8 @@ class S3Remote:
             with contextlib.closing(parts_in_order) as parts:
                 for first, last in parts:
                     if received.in_order is not None:  # format 1: in order, read back from the page cache
-                        hash_range(received.in_order, fd, first, last - first + 1, hash_buffer)
+                        with dest.writing():  # a read-back failing (EIO) is the local disk's too
+                            hash_range(received.in_order, fd, first, last - first + 1, hash_buffer)
                     if on_bytes is not None:
                         on_bytes(last - first + 1)
         # No fsync and no writeback hint (Remote.get_file): the bucket is the durable copy, and the kernel's

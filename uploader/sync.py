@@ -47,10 +47,11 @@ import logging
 import shutil
 import threading
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from uploader.destination import Destination
 from uploader.exceptions import CorruptCheckpoint, LocalWriteError, ManifestError, StorageError, UnsupportedFormat
 from uploader.hashing import tagged
 from uploader.layout import (
@@ -63,7 +64,7 @@ from uploader.layout import (
     parse_node_key,
 )
 from uploader.local import CORRUPT_PREFIX, LocalCheckpoint, checkpoint_name, commit, list_committed, set_aside, staging_dir
-from uploader.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, node_part, open_regular
+from uploader.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, FileEntry, Manifest, node_part, open_regular
 from uploader.progress import Progress, human_bytes
 from uploader.remote import ObjectInfo, Remote
 
@@ -206,15 +207,7 @@ def pull_files(remote: Remote, manifest: Manifest, paths: Collection[str], dest:
     with _landing(name, size, dest):
         with _local_disk():
             dest.mkdir(parents=True, exist_ok=True)
-        progress = Progress(f"download {len(wanted)} of {len(entries)} files of {name}", size)
-        for entry in wanted:
-            target = _inside(dest, entry.path)
-            with _local_disk():
-                target.parent.mkdir(parents=True, exist_ok=True)
-            remote.get_file(data_key(name, entry.path), target, size=entry.size, digest=entry.digest,
-                            algorithm=entry.algorithm, block_size=entry.block_size, on_bytes=progress.add,
-                            abort=abort)
-        progress.close()
+        _fetch(remote, name, wanted, dest, f"download {len(wanted)} of {len(entries)} files of {name}", abort)
     return size
 
 
@@ -476,20 +469,39 @@ def _download(
         with _local_disk():
             staging = staging_dir(folder, manifest.step)
         try:
-            progress = Progress(f"download {name}", manifest.total_size)
-            for entry in manifest.files:
-                dest = _inside(staging, entry.path)
-                with _local_disk():
-                    dest.parent.mkdir(parents=True, exist_ok=True)
-                remote.get_file(data_key(name, entry.path), dest, size=entry.size, digest=entry.digest,
-                                algorithm=entry.algorithm, block_size=entry.block_size, on_bytes=progress.add,
-                                abort=abort)
-            progress.close()
+            _fetch(remote, name, manifest.files, staging, f"download {name}", abort)
             with _local_disk():
                 return commit(staging, manifest)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)  # the space it took is given back at once
             raise
+
+
+def _fetch(remote: Remote, name: str, entries: Sequence[FileEntry], base: Path, what: str,
+           abort: threading.Event | None) -> None:
+    """Download ``entries`` of checkpoint ``name`` into ``base``, each verified as it streams, after
+    making room for all of them: a disk too small for the checkpoint fails before its first byte is
+    fetched, not after the files that fit (a sharded checkpoint has many).
+
+    Only sizes the remote's listing confirms are reserved: a manifest that claims more bytes than are
+    stored is a corrupt checkpoint (skipped, set aside), never a full disk."""
+    stored = {o.key: o.size for o in remote.list(f"{name}/")}
+    for entry in entries:
+        key = data_key(name, entry.path)
+        if key not in stored:
+            raise CorruptCheckpoint(f"{remote.url}/{key} is missing")
+        if stored[key] != entry.size:
+            raise CorruptCheckpoint(f"{remote.url}/{key} has {stored[key]} bytes, the manifest says {entry.size}")
+    targets = [(entry, _inside(base, entry.path)) for entry in entries]
+    for entry, target in targets:
+        with _local_disk():
+            target.parent.mkdir(parents=True, exist_ok=True)
+        Destination(target, entry.size).close()  # get_file reserves it again as it opens the file
+    progress = Progress(what, sum(entry.size for entry in entries))
+    for entry, target in targets:
+        remote.get_file(data_key(name, entry.path), target, size=entry.size, digest=entry.digest,
+                        algorithm=entry.algorithm, block_size=entry.block_size, on_bytes=progress.add, abort=abort)
+    progress.close()
 
 
 @contextlib.contextmanager
@@ -509,9 +521,8 @@ def _landing(name: str, size: int, folder: Path) -> Iterator[None]:
     try:
         yield
     except LocalWriteError as e:
-        todo = "make room there or use another folder" if e.out_of_room else "use a folder this process can write"
-        raise LocalWriteError(f"cannot download {name} ({human_bytes(size)}) into {folder}: {e.reason}; {todo} "
-                              "(the remote checkpoint is untouched)", e.reason, e.errno) from None
+        raise LocalWriteError(f"cannot download {name} ({human_bytes(size)}) into {folder}: {e.reason}; "
+                              f"{e.advice} (the remote checkpoint is untouched)", e.reason, e.errno) from None
 
 
 def _inside(staging: Path, relpath: str) -> Path:

@@ -9,10 +9,11 @@ import time
 
 import pytest
 
-from tests.support.disk import limit_file_size
+from tests.support.disk import FILE_TOO_LARGE, limit_file_size, pull_refused
 from tests.support.jobs import events, inspect, run_job, s3_job_env
 from tests.support.polling import wait_until
 from tests.support.s3server import READER, Credentials, fast_config
+from uploader import local
 from uploader.remote import open_remote
 from uploader.sync import list_remote
 
@@ -110,9 +111,9 @@ def test_a_disk_too_full_for_the_start_up_pull_exits_7_with_one_line(tmp_path, s
     done = run_job("train", *ARGS, "--max-duration", "40ba", "--save-folder", str(folder), "--remote", remote, env=env,
                    preexec_fn=limit_file_size(16 * 1024))
     assert done.returncode == 7, done.stderr
-    last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"job: error: cannot download step-000000000020 (") and last.endswith(
-        f"into {folder}: File too large; make room there or use another folder (the remote checkpoint is untouched)")
+    uploaded = local.list_committed(tmp_path / "a")[-1]  # what the bucket holds as its newest
+    assert done.stderr.strip().splitlines()[-1] == "job: error: " + pull_refused(
+        uploaded.name, uploaded.manifest().total_size, folder, FILE_TOO_LARGE)
     assert "Traceback" not in done.stderr
     assert not {"progress", "checkpoint"} & {e.get("event") for e in events(done.stderr)}  # before any training
     assert remote_steps(s3_bucket, "full") == kept

@@ -10,10 +10,12 @@ import resource
 import signal
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
 from uploader import destination, hashing, s3
+from uploader.progress import human_bytes
 
 
 def fake_fallocate(*answers: int) -> tuple[Callable[..., int], list[int]]:
@@ -55,3 +57,13 @@ def limit_file_size(limit: int) -> Callable[[], None]:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG, not kill
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
     return apply
+
+
+NO_SPACE = "No space left on device; make room there or use another folder"
+FILE_TOO_LARGE = "File too large; raise the file size limit (ulimit -f) or use another filesystem"  # RLIMIT_FSIZE
+
+
+def pull_refused(name: str, size: int, folder: Path, why: str) -> str:
+    """The line a pull ends with when the local disk refuses it (uploader.sync), ``why`` being the system's
+    reason and the advice (NO_SPACE, FILE_TOO_LARGE)."""
+    return f"cannot download {name} ({human_bytes(size)}) into {folder}: {why} (the remote checkpoint is untouched)"

@@ -9,10 +9,9 @@ from pathlib import Path
 import pytest
 
 from tests.support.checkpoints import corrupt_file, data_files_of, make_checkpoint
-from tests.support.disk import limit_file_size
+from tests.support.disk import FILE_TOO_LARGE, limit_file_size, pull_refused
 from tests.support.s3server import ADMIN, Bucket, isolated_aws_env
 from tests.support.uploader_cli import cli_env, run_cli
-from uploader.progress import human_bytes
 
 
 @pytest.mark.s3
@@ -72,9 +71,8 @@ def test_pull_onto_a_full_disk_exits_7_with_one_line_and_changes_nothing(tmp_pat
     pull = run_cli(["pull", url, str(restore)], env, preexec_fn=limit_file_size(16 * 1024))
 
     assert pull.returncode == 7, pull.stderr
-    assert pull.stderr.strip().splitlines()[-1] == (
-        f"uploader: error: cannot download {ckpt.name} ({human_bytes(ckpt.manifest().total_size)}) into {restore}: "
-        "File too large; make room there or use another folder (the remote checkpoint is untouched)")
+    assert pull.stderr.strip().splitlines()[-1] == "uploader: error: " + pull_refused(
+        ckpt.name, ckpt.manifest().total_size, restore, FILE_TOO_LARGE)
     assert list(restore.iterdir()) == [] and data_files_of(remote_dir / ckpt.name) == before
 
 

@@ -21,7 +21,7 @@ from tests.support.polling import wait_until
 from tests.support.s3server import Bucket, fast_config
 from tests.support.uploader_cli import cli_env, run_cli
 from uploader.deadline import DeadlineExceeded, Watchdog, bounded, track
-from uploader.exceptions import TransientStorageError
+from uploader.exceptions import LocalWriteError, TransientStorageError
 from uploader.layout import data_key
 from uploader.remote import Remote, open_remote
 from uploader.sync import push
@@ -93,6 +93,21 @@ def test_a_socket_its_connection_let_go_of_is_still_cut() -> None:
         error = outcome_within(ENDS_WITHIN, lambda: bounded(time.monotonic() + 0.3, attempt))
 
     assert isinstance(error, DeadlineExceeded)
+
+
+def test_a_full_local_disk_is_not_hidden_by_a_deadline_that_fired_meanwhile() -> None:
+    """The cut and the disk error can land in the same attempt; the disk's error is the one to report
+    (exit 7, "make room"), not "storage unreachable"."""
+    client, server = socket.socketpair()
+    with client, server:
+        def attempt() -> bytes:
+            track(FakeConnection(client))
+            client.recv(10)  # ends when the watchdog cuts it
+            raise LocalWriteError("cannot write state.pt: No space left on device", "No space left on device")
+
+        error = outcome_within(ENDS_WITHIN, lambda: bounded(time.monotonic() + 0.3, attempt, 0.3))
+
+    assert isinstance(error, LocalWriteError)
 
 
 def test_attempts_in_parallel_threads_are_cut_each_at_its_own_deadline() -> None:

@@ -42,7 +42,7 @@ def test_a_disk_without_room_fails_before_anything_is_written(tmp_path: Path, mo
     assert open_fds() == before  # its descriptor is closed again
 
 
-@pytest.mark.parametrize("answer", [errno.EOPNOTSUPP, errno.ENOSYS])
+@pytest.mark.parametrize("answer", [errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL])
 def test_a_filesystem_without_fallocate_still_gets_its_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                             answer: int) -> None:
     call, asked = fake_fallocate(answer)
@@ -83,3 +83,48 @@ def test_a_folder_that_cannot_hold_files_is_a_local_write_error(tmp_path: Path) 
     (tmp_path / "a-file").write_text("")
     with pytest.raises(LocalWriteError, match="Not a directory$"):
         Destination(tmp_path / "a-file" / "state.pt", MiB)
+
+
+def close_reporting(monkeypatch: pytest.MonkeyPatch, err: int) -> None:
+    """os.close closes, then reports ``err``, as NFS does for a write it could not store (ENOSPC, EDQUOT)."""
+    real = os.close
+
+    def close(fd: int) -> None:
+        real(fd)
+        raise OSError(err, os.strerror(err))
+
+    monkeypatch.setattr(destination.os, "close", close)
+
+
+def test_a_full_disk_reported_only_at_close_is_a_local_write_error(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    dest = Destination(tmp_path / "state.pt", 10)
+    dest.write(b"0123456789")
+    close_reporting(monkeypatch, errno.EDQUOT)
+    with pytest.raises(LocalWriteError, match="Disk quota exceeded$"):
+        dest.close()
+    dest.close()  # once only: the descriptor number may already belong to another file
+
+
+def test_an_error_already_in_flight_is_not_replaced_by_the_close(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="the first failure"):
+        with Destination(tmp_path / "state.pt", 10):
+            close_reporting(monkeypatch, errno.ENOSPC)
+            raise ValueError("the first failure")
+
+
+def test_a_link_left_at_the_path_is_not_followed(tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.write_bytes(b"not yours")
+    (tmp_path / "state.pt").symlink_to(elsewhere)
+    with pytest.raises(LocalWriteError, match="Too many levels of symbolic links$"):
+        Destination(tmp_path / "state.pt", 3)
+    assert elsewhere.read_bytes() == b"not yours"
+
+
+def test_an_empty_file_needs_no_reservation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    call, asked = fake_fallocate(errno.ENOSPC)
+    monkeypatch.setattr(destination, "_fallocate", call)
+    Destination(tmp_path / "empty", 0).close()
+    assert asked == [] and (tmp_path / "empty").read_bytes() == b""

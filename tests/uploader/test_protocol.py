@@ -18,14 +18,13 @@ from tests.support.checkpoints import (
     data_files_of,
     make_checkpoint,
 )
-from tests.support.disk import fake_fallocate, fill_disk_after
+from tests.support.disk import NO_SPACE, fake_fallocate, fill_disk_after, pull_refused
 from tests.support.recording import RecordingRemote
 from uploader import destination
 from uploader.exceptions import CorruptCheckpoint, LocalWriteError, UnsupportedFormat
 from uploader.filesystem import FileRemote
 from uploader.layout import LATEST_KEY, data_key, manifest_key
 from uploader.local import STAGING_PREFIX, LocalCheckpoint, checkpoint_name, list_committed, list_set_aside, newest_verified
-from uploader.progress import human_bytes
 from uploader.remote import Remote
 from uploader.sync import list_remote, newest_complete, pull_newest, push, push_all
 from uploader.sync import list_set_aside as remote_set_aside
@@ -226,8 +225,7 @@ def test_corrupt_remote_checkpoint_is_skipped_for_the_previous_one(
 
 
 def full_disk_message(ckpt: LocalCheckpoint, folder: Path) -> str:
-    return (f"cannot download {ckpt.name} ({human_bytes(ckpt.manifest().total_size)}) into {folder}: No space left "
-            "on device; make room there or use another folder (the remote checkpoint is untouched)")
+    return pull_refused(ckpt.name, ckpt.manifest().total_size, folder, NO_SPACE)
 
 
 def test_a_disk_that_fills_up_during_a_pull_is_one_clear_error_and_loses_nothing(
@@ -278,17 +276,35 @@ def test_a_folder_that_cannot_be_written_is_named_with_what_to_do(remote: Remote
     with pytest.raises(LocalWriteError) as raised:
         pull_newest(remote, folder)
 
-    assert str(raised.value) == (f"cannot download {ckpt.name} ({human_bytes(ckpt.manifest().total_size)}) into "
-                                 f"{folder}: Not a directory; use a folder this process can write (the remote "
-                                 "checkpoint is untouched)")
+    assert str(raised.value) == pull_refused(ckpt.name, ckpt.manifest().total_size, folder,
+                                             "Not a directory; use a folder this process can write")
     assert complete_steps(remote) == [100]
 
 
-def test_a_real_disk_too_small_refuses_the_file_before_writing_it_and_an_older_checkpoint_fits(
+def test_a_manifest_claiming_more_bytes_than_stored_is_a_corrupt_checkpoint_not_a_full_disk(
+    remote: Remote, local: Path, restore: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The size is checked against the stored object before the manifest's size is reserved."""
+    push(make_checkpoint(local, 100), remote, keep=3)
+    newest = make_checkpoint(local, 200)
+    push(newest, remote, keep=3)
+    doc = json.loads(remote.read_bytes(manifest_key(newest.name)) or b"")
+    doc["files"][0]["size"] = 1 << 50
+    remote.write_bytes(manifest_key(newest.name), json.dumps(doc).encode())
+
+    with caplog.at_level(logging.WARNING, logger="uploader.sync"):
+        pulled = pull_newest(remote, restore)
+
+    assert pulled is not None and pulled.step == 100
+    assert f"the manifest says {1 << 50}" in caplog.text
+
+
+def test_a_real_disk_too_small_refuses_the_checkpoint_before_writing_a_byte_and_an_older_one_fits(
     remote: Remote, local: Path, small_disk: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """8 MiB of room and an 11 MiB file: the kernel's ENOSPC comes from the reservation, so none of the
-    file's bytes are fetched or written; an explicitly asked-for older checkpoint that fits still pulls."""
+    """8 MiB of room and an 11 MiB file, listed last: the kernel's ENOSPC comes from the reservation made
+    for the whole checkpoint, so not even the files that would fit are fetched or written; an explicitly
+    asked-for older checkpoint that fits still pulls."""
     older = make_checkpoint(local, 100)
     push(older, remote, keep=3)
     newest = make_checkpoint(local, 200, WITH_LARGE_FILE)
@@ -300,7 +316,7 @@ def test_a_real_disk_too_small_refuses_the_file_before_writing_it_and_an_older_c
         pull_newest(remote, folder)
 
     assert str(raised.value) == full_disk_message(newest, folder)
-    assert sum(written) == sum(SMALL_FILES.values())  # the files before big.bin, none of its bytes
+    assert written == []  # not even the four small files listed before big.bin
     assert list(folder.iterdir()) == []
     pulled = pull_newest(remote, folder, step=100)
     assert pulled is not None and data_files_of(pulled.path) == data_files_of(older.path)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import http.client
 import io
 import os
+import ssl
 import threading
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 from uploader.retry import is_transient
 from uploader.config import MiB, UploadConfig
 from uploader.destination import Destination
+from uploader.exceptions import LocalWriteError
 from uploader.s3 import MAX_GET_RANGE, _stream_into, get_range_size
 
 
@@ -39,6 +41,30 @@ def test_a_body_that_ends_early_is_a_transient_error(tmp_path: Path) -> None:
     with Destination(tmp_path / "file", 1_000) as dest, pytest.raises(http.client.IncompleteRead) as raised:
         _stream_into(PlainBody(b"x" * 100), dest, 0, 1_000, bytearray(64), threading.Lock())
     assert is_transient(raised.value)
+
+
+class FailingBody(PlainBody):
+    """A body whose connection fails after its first bytes."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(b"x" * 100)
+        self.error = error
+
+    def read(self, n: int) -> bytes:
+        data = super().read(n)
+        if not data:
+            raise self.error
+        return data
+
+
+@pytest.mark.parametrize("error", [ConnectionResetError(104, "Connection reset by peer"),
+                                   ssl.SSLError(1, "[SSL: DECRYPTION_FAILED_OR_BAD_RECORD_MAC]")])
+def test_a_connection_failing_mid_body_is_the_networks_error_not_the_local_disks(tmp_path: Path,
+                                                                                 error: OSError) -> None:
+    """Both are OSErrors, like a full disk: only the writes to the file count as the local disk's."""
+    with Destination(tmp_path / "file", 1_000) as dest, pytest.raises(type(error)) as raised:
+        _stream_into(FailingBody(error), dest, 0, 1_000, bytearray(64), threading.Lock())
+    assert raised.value is error and not isinstance(raised.value, LocalWriteError)
 
 
 @pytest.mark.parametrize(("size", "expected"), [
