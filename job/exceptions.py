@@ -8,7 +8,8 @@ Exit codes (README, "Exit codes"; also used by k8s podFailurePolicy):
   4   the bucket does not exist
   5   storage unreachable after retries
   6   a checkpoint cannot be used (corrupt, hostile, incompatible, or --resume PATH is not one)
-  7   a checkpoint cannot be written (disk full, permissions); the previous one is untouched
+  7   a checkpoint cannot be written (disk full, permissions), or one pulled cannot be written locally;
+      the previous one is untouched
   75  stopped to be resumed (preempted: SIGTERM/SIGINT after a final checkpoint)
 """
 from __future__ import annotations
@@ -40,6 +41,15 @@ class CheckpointLoadError(JobError):
 
 class CheckpointWriteError(JobError):
     exit_code = EXIT_WRITE_FAILED
+
+
+class OtherRankError(JobError):
+    """What another rank failed with, raised here with that rank's exit code, so that every rank of a
+    collective step ends the same way (a full disk on one node is not a corrupt checkpoint on the rest)."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def exit_code_for(error: BaseException) -> int:

@@ -26,7 +26,7 @@ from typing import Any
 
 from job import dcp_storage, distributed, sharded
 from job.checkpoint import check_settings, load_shard
-from job.exceptions import CheckpointLoadError
+from job.exceptions import CheckpointLoadError, OtherRankError, exit_code_for
 from job.logs import event
 from job.storage import RemoteStore
 from state import State
@@ -133,12 +133,14 @@ def _agree_on(step: Any) -> str | None:
         corrupt = f"node {distributed.node()}: {e}"
     except Exception as e:  # noqa: BLE001 - raised below, after every rank has heard of it
         error = e
-    outcomes = distributed.all_gather((corrupt, f"{type(error).__name__}: {error}" if error is not None else None))
+    failure = (f"{type(error).__name__}: {error}", exit_code_for(error)) if error is not None else None
+    outcomes = distributed.all_gather((corrupt, failure))
     if error is not None:
         raise error
-    failed = [e for _, e in outcomes if e is not None]
-    if failed:
-        raise CheckpointLoadError(f"another node could not download its part of the checkpoint ({failed[0]})")
+    failed = [f for _, f in outcomes if f is not None]
+    if failed:  # with the failing node's exit code: its full disk (7) or outage (5) is not a bad checkpoint (6)
+        message, code = failed[0]
+        raise OtherRankError(f"another node could not download its part of the checkpoint ({message})", code)
     return next((c for c, _ in outcomes if c is not None), None)
 
 
