@@ -66,7 +66,7 @@ def reserve(fd: int, size: int) -> bool:
 
 
 class Destination:
-    """A download's file: created (emptied if it existed) at its final size with that space reserved,
+    """A download's file: created (or an existing one resized) at its final size with that space reserved,
     written at offsets by any number of threads (``pwrite``) or in order (``write``). Every OSError of
     the local side is a LocalWriteError naming the file."""
 
@@ -74,8 +74,10 @@ class Destination:
         self.path, self.size = path, size
         self._offset = 0  # where write() appends
         with self.writing():
-            # Never through a link left at the path: the file is ours to create (ELOOP otherwise).
-            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+            # Never through a link left at the path: the file is ours to create (ELOOP otherwise). Not
+            # truncated: a placeholder made with its room reserved (uploader.sync) keeps that room, and
+            # the download writes every byte of it again.
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
         try:
             with self.writing():
                 os.ftruncate(self.fd, size)  # every range can land in place, in any order

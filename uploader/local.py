@@ -162,6 +162,28 @@ def staging_dir(folder: Path, step: int) -> Path:
     return path
 
 
+def remove_abandoned_staging(folder: Path, step: int) -> list[Path]:
+    """Remove the staging folders of step ``step`` left by processes that no longer run (a pull killed
+    with its whole checkpoint's room reserved, uploader.sync), so that the next pull finds that room;
+    the removed ones. A folder of a process still running, or of one this process cannot tell about
+    (another user's), is left alone; one with this process's own id is staging_dir's to replace."""
+    removed = []
+    for path in folder.glob(f"{STAGING_PREFIX}{checkpoint_name(step)}-*"):
+        pid = path.name.rpartition("-")[2]
+        if not pid.isdigit() or int(pid) == os.getpid() or path.is_symlink() or not path.is_dir():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # alive
+        except ProcessLookupError:
+            pass
+        except (PermissionError, OverflowError):
+            continue  # alive but not ours, or no such id at all
+        shutil.rmtree(path)
+        removed.append(path)
+    return removed
+
+
 def commit(staging: Path, manifest: Manifest) -> LocalCheckpoint:
     """Write the manifest last, then rename the staging folder into place, durably.
 

@@ -63,7 +63,16 @@ from uploader.layout import (
     node_key,
     parse_node_key,
 )
-from uploader.local import CORRUPT_PREFIX, LocalCheckpoint, checkpoint_name, commit, list_committed, set_aside, staging_dir
+from uploader.local import (
+    CORRUPT_PREFIX,
+    LocalCheckpoint,
+    checkpoint_name,
+    commit,
+    list_committed,
+    remove_abandoned_staging,
+    set_aside,
+    staging_dir,
+)
 from uploader.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, FileEntry, Manifest, node_part, open_regular
 from uploader.progress import Progress, human_bytes
 from uploader.remote import ObjectInfo, Remote
@@ -467,6 +476,9 @@ def _download(
 ) -> LocalCheckpoint:
     with _landing(name, manifest.total_size, folder):
         with _local_disk():
+            for abandoned in remove_abandoned_staging(folder, manifest.step):
+                logger.info("removed %s, a download of %s whose process is gone (its room was reserved)",
+                            abandoned, name)
             staging = staging_dir(folder, manifest.step)
         try:
             _fetch(remote, name, manifest.files, staging, f"download {name}", abort)
@@ -488,15 +500,17 @@ def _fetch(remote: Remote, name: str, entries: Sequence[FileEntry], base: Path, 
     stored = {o.key: o.size for o in remote.list(f"{name}/")}
     for entry in entries:
         key = data_key(name, entry.path)
-        if key not in stored:
-            raise CorruptCheckpoint(f"{remote.url}/{key} is missing")
-        if stored[key] != entry.size:
-            raise CorruptCheckpoint(f"{remote.url}/{key} has {stored[key]} bytes, the manifest says {entry.size}")
+        if stored.get(key) != entry.size:  # asked again before calling it damage: a listing may skip or lag
+            info = remote.head(key)  # a folder it cannot read raises here (AuthError, StorageError)
+            if info is None:
+                raise CorruptCheckpoint(f"{remote.url}/{key} is missing")
+            if info.size != entry.size:
+                raise CorruptCheckpoint(f"{remote.url}/{key} has {info.size} bytes, the manifest says {entry.size}")
     targets = [(entry, _inside(base, entry.path)) for entry in entries]
     for entry, target in targets:
         with _local_disk():
             target.parent.mkdir(parents=True, exist_ok=True)
-        Destination(target, entry.size).close()  # get_file reserves it again as it opens the file
+        Destination(target, entry.size).close()  # get_file opens it as it is: its room stays reserved
     progress = Progress(what, sum(entry.size for entry in entries))
     for entry, target in targets:
         remote.get_file(data_key(name, entry.path), target, size=entry.size, digest=entry.digest,

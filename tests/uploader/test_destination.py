@@ -61,12 +61,16 @@ def test_an_interrupted_reservation_is_asked_again(tmp_path: Path, monkeypatch: 
     assert asked == [MiB, MiB]
 
 
-def test_an_existing_file_is_emptied_and_sized(tmp_path: Path) -> None:
+def test_an_existing_file_is_sized_and_keeps_its_reserved_room(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A placeholder made with its room reserved (uploader.sync) is opened as it is, not emptied: emptying
+    it would give the room back, for anyone to take, before it is reserved again."""
     path = tmp_path / "state.pt"
     path.write_bytes(b"x" * (3 * MiB))
     with Destination(path, MiB) as dest:
+        blocks = os.stat(path).st_blocks
         dest.write(b"y" * 10)
-    assert path.read_bytes() == b"y" * 10 + bytes(MiB - 10)
+    assert path.read_bytes() == b"y" * 10 + b"x" * (MiB - 10)  # the download writes every byte again
+    assert blocks * 512 >= MiB
 
 
 def test_a_failing_write_is_a_local_write_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -5,6 +5,8 @@ import errno
 import json
 import logging
 import os
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -320,6 +322,50 @@ def test_a_real_disk_too_small_refuses_the_checkpoint_before_writing_a_byte_and_
     assert list(folder.iterdir()) == []
     pulled = pull_newest(remote, folder, step=100)
     assert pulled is not None and data_files_of(pulled.path) == data_files_of(older.path)
+
+
+def dead_pid() -> int:
+    """The id of a process that has ended (reaped: the kernel has no such process any more)."""
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(child.stdout)
+
+
+def test_a_killed_pulls_reserved_room_is_given_back_to_the_next_pull(
+    remote: Remote, local: Path, small_disk: Path
+) -> None:
+    """A pull killed early holds its whole checkpoint's room (reserved up front); on a disk sized for one
+    checkpoint the next pull would fail for ever unless that staging folder goes."""
+    newest = make_checkpoint(local, 200, {"state.pt": 3 * 1024 * 1024})
+    push(newest, remote, keep=3)
+    folder = small_disk / "ck"
+    abandoned = folder / f"{STAGING_PREFIX}{newest.name}-{dead_pid()}"
+    abandoned.mkdir(parents=True)
+    (abandoned / "state.pt").write_bytes(bytes(6 * 1024 * 1024))  # 6 + 3 MiB do not fit in 8
+    alive = folder / f"{STAGING_PREFIX}{newest.name}-{os.getppid()}"  # a pull still running: not touched
+    alive.mkdir()
+    other_step = folder / f"{STAGING_PREFIX}{checkpoint_name(100)}-{dead_pid()}"  # not this pull's to judge
+    other_step.mkdir()
+
+    pulled = pull_newest(remote, folder)
+
+    assert pulled is not None and data_files_of(pulled.path) == data_files_of(newest.path)
+    assert not abandoned.exists() and alive.is_dir() and other_step.is_dir()
+
+
+def test_a_listing_that_misses_a_file_is_asked_again_not_taken_for_damage(
+    remote: Remote, local: Path, restore: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file:// listing skips a folder it cannot read; an S3-compatible one may lag. Before a checkpoint
+    is called corrupt (and set aside), each file the listing does not confirm is looked up itself."""
+    newest = make_checkpoint(local, 200)
+    push(newest, remote, keep=3)
+    listed = remote.list
+    monkeypatch.setattr(remote, "list", lambda prefix="": [o for o in listed(prefix) if not o.key.endswith("optim.pt")])
+
+    pulled = pull_newest(remote, restore)
+
+    assert pulled is not None and data_files_of(pulled.path) == data_files_of(newest.path)
+    assert remote_set_aside(remote) == []
 
 
 def test_a_remote_checkpoint_of_a_newer_format_is_refused_not_skipped(remote: Remote, local: Path, restore: Path) -> None:
