@@ -62,11 +62,12 @@ def resume_from_bucket(state: State, folder: Path, store: RemoteStore | None, ne
                 raw = newest.to_json() if newest is not None and newest.step > newer_than else None
             except Exception as e:  # noqa: BLE001 - raised below, after every rank has heard of it
                 failed = e
-        raw, why = distributed.broadcast_choice((raw, None if failed is None else f"{type(failed).__name__}: {failed}"))
+        why = None if failed is None else (f"{type(failed).__name__}: {failed}", exit_code_for(failed))
+        raw, why = distributed.broadcast_choice((raw, why))
         if failed is not None:
             raise failed
-        if why is not None:
-            raise CheckpointLoadError(f"rank 0 could not read the bucket ({why})")
+        if why is not None:  # with rank 0's exit code: an outage (5) is not a bad checkpoint (6)
+            raise OtherRankError(f"rank 0 could not read the bucket ({why[0]})", why[1])
         if raw is None:
             return None
         manifest = Manifest.from_json(raw)  # rank 0 parsed the same bytes: it cannot fail here alone

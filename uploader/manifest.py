@@ -58,7 +58,7 @@ MIN_BLOCK_SIZE = 64 * 1024  # at most 16 reads and ~1.2 KiB of block digests per
 MAX_BLOCK_SIZE = 64 * 1024 * 1024
 MAX_FILE_SIZE = 2**50  # 1 PiB: any real file; keeps sizes far from float and int64 trouble
 MAX_STEP = 10**12 - 1  # step folder names have 12 digits
-MAX_PATH_CHARS = 1024
+MAX_PATH_BYTES = 1024  # in UTF-8
 MAX_NAME_BYTES = 255  # NAME_MAX: the longest folder or file name Linux filesystems take
 MAX_NODES = 100_000
 _SAVE_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}", re.ASCII)  # one save's parts, across nodes
@@ -79,8 +79,8 @@ def safe_relpath(name: str) -> str:
     """Refuse paths that could escape the checkpoint folder on pull (absolute, ``..``, backslashes)."""
     if not isinstance(name, str) or not name or "\\" in name or any(ord(c) < 32 or ord(c) == 127 for c in name):
         raise ManifestError(f"unsafe file name in manifest: {name!r}")
-    if len(name) > MAX_PATH_CHARS:
-        raise ManifestError(f"file name in manifest longer than {MAX_PATH_CHARS} characters")
+    if len(name.encode(errors="surrogatepass")) > MAX_PATH_BYTES:  # folder + this < PATH_MAX (4096)
+        raise ManifestError(f"file name in manifest longer than {MAX_PATH_BYTES} bytes")
     p = PurePosixPath(name)
     if p.is_absolute() or any(part in ("..", ".", "") for part in name.split("/")):
         raise ManifestError(f"unsafe file name in manifest: {name!r} (absolute or '..' paths are refused)")

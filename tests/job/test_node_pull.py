@@ -3,6 +3,7 @@ download failed. The collective is replaced by the outcomes other ranks would se
 tests/job/test_multinode.py); the exit codes are the CLI's (job.exceptions.exit_code_for)."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -55,3 +56,15 @@ def test_a_file_that_failed_verification_on_another_node_is_a_corrupt_checkpoint
     assert corrupt is not None and corrupt.endswith("fails its blake3 check")
     other_node_sends(monkeypatch, gathered[0])
     assert node_pull._agree_on(lambda: None) == corrupt  # the same reason on every rank: set aside, go back
+
+
+def test_rank_0_failing_to_read_the_bucket_ends_every_rank_with_its_exit_code(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    error = TransientStorageError("LIST on s3://b/run still failing after 8 attempt(s)")
+    monkeypatch.setattr(distributed, "rank", lambda: 1)  # this rank waits for rank 0's reading
+    monkeypatch.setattr(distributed, "broadcast_choice", lambda mine: (None, (f"TransientStorageError: {error}",
+                                                                             exit_code_for(error))))
+    with pytest.raises(JobError) as raised:
+        node_pull.resume_from_bucket(None, tmp_path, None, -1, {})  # type: ignore[arg-type]
+    assert exit_code_for(raised.value) == 5
+    assert str(raised.value) == f"rank 0 could not read the bucket (TransientStorageError: {error})"

@@ -147,6 +147,7 @@ def test_a_sharded_manifest_lists_exactly_its_layout(paths: list[str], reason: s
     ("x" * 256, "longer than 255 bytes"),
     ("sub/" + "é" * 128, "longer than 255 bytes"),  # 128 characters, 256 bytes in UTF-8
     ("\ud800.pt", "not valid Unicode"),
+    ("/".join(["é" * 100] * 6), "longer than 1024 bytes"),  # 605 characters, 1205 bytes
 ])
 def test_a_name_no_filesystem_can_hold_is_a_damaged_manifest(name: str, why: str) -> None:
     """Refused as damage (skipped, set aside), not met later as a local error that reads like a bad disk."""
