@@ -8,7 +8,9 @@ import os
 import subprocess
 import sys
 import uuid
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -53,6 +55,21 @@ def fail_push_half_way(ckpt: LocalCheckpoint, remote: Remote, keep: int) -> byte
     with pytest.raises(CorruptCheckpoint):
         push(ckpt, remote, keep=keep)
     return original
+
+
+def push_two(remote: Remote, local: Path, newest_files: Mapping[str, int] = SMALL_FILES) -> LocalCheckpoint:
+    """Steps 100 and 200 in the remote, as the job leaves them; returns step 200."""
+    push(make_checkpoint(local, 100), remote, keep=3)
+    newest = make_checkpoint(local, 200, newest_files)
+    push(newest, remote, keep=3)
+    return newest
+
+
+def rewrite_manifest(remote: Remote, ckpt: LocalCheckpoint, edit: Callable[[dict[str, Any]], None]) -> None:
+    """Replace the remote manifest of ``ckpt`` by an edited copy (damage, or a newer build's)."""
+    doc = json.loads(remote.read_bytes(manifest_key(ckpt.name)) or b"")
+    edit(doc)
+    remote.write_bytes(manifest_key(ckpt.name), json.dumps(doc).encode())
 
 
 def test_round_trip_is_byte_identical_and_a_normal_local_checkpoint(remote: Remote, local: Path, restore: Path) -> None:
@@ -210,9 +227,7 @@ def test_hostile_manifest_is_refused_and_nothing_is_written_outside(
 def test_corrupt_remote_checkpoint_is_skipped_for_the_previous_one(
     remote: Remote, local: Path, restore: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    push(make_checkpoint(local, 100), remote, keep=3)
-    newest = make_checkpoint(local, 200)
-    push(newest, remote, keep=3)
+    newest = push_two(remote, local)
     damaged = bytearray(remote.read_bytes(data_key(newest.name, "state.pt")) or b"")
     damaged[0] ^= 0xFF
     remote.write_bytes(data_key(newest.name, "state.pt"), bytes(damaged))
@@ -235,9 +250,7 @@ def test_a_disk_that_fills_up_during_a_pull_is_one_clear_error_and_loses_nothing
 ) -> None:
     """Not a network failure, not a corrupt checkpoint (nothing is set aside), not an older checkpoint
     instead: the newest one is what the job needs, and the disk is what must change."""
-    push(make_checkpoint(local, 100), remote, keep=3)
-    newest = make_checkpoint(local, 200, WITH_LARGE_FILE)
-    push(newest, remote, keep=3)
+    newest = push_two(remote, local, WITH_LARGE_FILE)
     written = fill_disk_after(monkeypatch, 3 * 1024 * 1024)
 
     with pytest.raises(LocalWriteError) as raised:
@@ -287,12 +300,8 @@ def test_a_manifest_claiming_more_bytes_than_stored_is_a_corrupt_checkpoint_not_
     remote: Remote, local: Path, restore: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The size is checked against the stored object before the manifest's size is reserved."""
-    push(make_checkpoint(local, 100), remote, keep=3)
-    newest = make_checkpoint(local, 200)
-    push(newest, remote, keep=3)
-    doc = json.loads(remote.read_bytes(manifest_key(newest.name)) or b"")
-    doc["files"][0]["size"] = 1 << 50
-    remote.write_bytes(manifest_key(newest.name), json.dumps(doc).encode())
+    newest = push_two(remote, local)
+    rewrite_manifest(remote, newest, lambda doc: doc["files"][0].update(size=1 << 50))
 
     with caplog.at_level(logging.WARNING, logger="uploader.sync"):
         pulled = pull_newest(remote, restore)
@@ -370,12 +379,8 @@ def test_a_listing_that_misses_a_file_is_asked_again_not_taken_for_damage(
 
 def test_a_remote_checkpoint_of_a_newer_format_is_refused_not_skipped(remote: Remote, local: Path, restore: Path) -> None:
     """An older build must not pull the previous checkpoint and then upload over the newer one."""
-    push(make_checkpoint(local, 100), remote, keep=3)
-    newest = make_checkpoint(local, 200)
-    push(newest, remote, keep=3)
-    doc = json.loads(remote.read_bytes(manifest_key(newest.name)) or b"")
-    doc["format_version"] = 99
-    remote.write_bytes(manifest_key(newest.name), json.dumps(doc).encode())
+    newest = push_two(remote, local)
+    rewrite_manifest(remote, newest, lambda doc: doc.update(format_version=99))
 
     for look in (lambda: pull_newest(remote, restore), lambda: newest_complete(remote)):
         with pytest.raises(UnsupportedFormat, match=f"{newest.name}: manifest format_version 99 .*upgrade spot-trainer"):
