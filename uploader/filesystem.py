@@ -73,7 +73,7 @@ class FileRemote:
             raise BucketNotFound(f"{self.root} is a file, not a folder: fix the file:// URL")
         found = []
         try:
-            for folder, dirs, files in os.walk(self.root):  # never descends into linked folders
+            for folder, dirs, files in os.walk(self.root, onerror=_unless_gone):  # never into linked folders
                 dirs.sort()
                 for name in files:
                     if name.startswith(TMP_MARKER):
@@ -255,6 +255,14 @@ class FileRemote:
 
 
 _DENIED = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
+
+
+def _unless_gone(e: OSError) -> None:
+    """os.walk's error handler: a folder deleted since it was seen (retention, a set-aside) is not there
+    any more; any other error (EACCES, NFS's EIO or ESTALE) fails the listing, which would otherwise
+    leave that checkpoint out and make an older one look like the newest."""
+    if not isinstance(e, FileNotFoundError):
+        raise e
 
 
 def _refused(what: str, e: OSError) -> StorageError:

@@ -5,6 +5,7 @@ pulls, listing and start-up must skip or set aside the bad checkpoint and keep t
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import threading
@@ -15,7 +16,7 @@ from typing import Any
 import pytest
 
 from tests.support.checkpoints import complete_steps, corrupt_file, data_files_of, files_of, make_checkpoint
-from uploader.exceptions import BucketNotFound, CorruptCheckpoint, ManifestError
+from uploader.exceptions import BucketNotFound, CorruptCheckpoint, ManifestError, StorageError
 from uploader.filesystem import FileRemote
 from uploader.layout import data_key, manifest_key
 from uploader.local import (
@@ -132,6 +133,27 @@ def test_a_file_remote_never_follows_a_link_to_dev_zero(tmp_path: Path, restore:
                         algorithm="sha256")
     pulled = pull_newest(remote, restore, set_aside_corrupt=False)
     assert pulled is not None and pulled.step == 10
+
+
+def test_a_file_remote_folder_that_cannot_be_read_fails_the_listing_rather_than_hiding_its_checkpoint(
+        tmp_path: Path, restore: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An NFS error on the newest checkpoint's folder used to leave it out of the listing silently: the
+    pull then took the older one as the newest. Now the pull stops with the storage's error."""
+    root = tmp_path / "remote"
+    remote = FileRemote(root)
+    push(make_checkpoint(tmp_path / "a", 10), remote, keep=5)
+    push(make_checkpoint(tmp_path / "a", 20), remote, keep=5)
+    scandir = os.scandir
+
+    def failing(path: Any = ".") -> Any:
+        if Path(path) == root / checkpoint_name(20):
+            raise OSError(errno.EIO, os.strerror(errno.EIO), str(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", failing)
+    with pytest.raises(StorageError, match=f"cannot list folder '{root}': Input/output error$"):
+        pull_newest(remote, restore)
+    assert not restore.exists() or list_committed(restore) == []
 
 
 def test_a_file_remote_object_longer_than_declared_is_refused_before_a_byte_is_copied(tmp_path: Path) -> None:
