@@ -65,13 +65,24 @@ def reserve(fd: int, size: int) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def local_writes(where: Path) -> Iterator[None]:
+    """Turn an OSError of the block into LocalWriteError: the local disk (at ``where``) failed, not the
+    remote, whose own errors are StorageError."""
+    try:
+        yield
+    except OSError as e:
+        reason = e.strerror or str(e)
+        raise LocalWriteError(f"cannot write {where}: {reason}", reason, e.errno) from None
+
+
 class Destination:
     """A download's file: created (or an existing one resized) at its final size with that space reserved,
     written at offsets by any number of threads (``pwrite``) or in order (``write``). Every OSError of
     the local side is a LocalWriteError naming the file."""
 
     def __init__(self, path: Path, size: int) -> None:
-        self.path, self.size = path, size
+        self.path = path
         self._offset = 0  # where write() appends
         with self.writing():
             # Never through a link left at the path: the file is ours to create (ELOOP otherwise). Not
@@ -87,14 +98,8 @@ class Destination:
             os.close(self.fd)
             raise
 
-    @contextlib.contextmanager
-    def writing(self) -> Iterator[None]:
-        """Turn an OSError of the block into LocalWriteError (the local disk, not the remote, failed)."""
-        try:
-            yield
-        except OSError as e:
-            reason = e.strerror or str(e)
-            raise LocalWriteError(f"cannot write {self.path}: {reason}", reason, e.errno) from None
+    def writing(self) -> contextlib.AbstractContextManager[None]:
+        return local_writes(self.path)
 
     def write(self, data: bytes | memoryview) -> int:
         with self.writing():

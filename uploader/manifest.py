@@ -79,16 +79,16 @@ def safe_relpath(name: str) -> str:
     """Refuse paths that could escape the checkpoint folder on pull (absolute, ``..``, backslashes)."""
     if not isinstance(name, str) or not name or "\\" in name or any(ord(c) < 32 or ord(c) == 127 for c in name):
         raise ManifestError(f"unsafe file name in manifest: {name!r}")
-    if len(name.encode(errors="surrogatepass")) > MAX_PATH_BYTES:  # folder + this < PATH_MAX (4096)
+    try:
+        encoded = name.encode()
+    except UnicodeEncodeError:  # a lone surrogate from JSON's \ud800: no file can have that name
+        raise ManifestError(f"unsafe file name in manifest: {name!r} (not valid Unicode)") from None
+    if len(encoded) > MAX_PATH_BYTES:  # folder + this < PATH_MAX (4096)
         raise ManifestError(f"file name in manifest longer than {MAX_PATH_BYTES} bytes")
     p = PurePosixPath(name)
     if p.is_absolute() or any(part in ("..", ".", "") for part in name.split("/")):
         raise ManifestError(f"unsafe file name in manifest: {name!r} (absolute or '..' paths are refused)")
-    try:
-        longest = max(len(part.encode()) for part in name.split("/"))
-    except UnicodeEncodeError:  # a lone surrogate from JSON's \ud800: no file can have that name
-        raise ManifestError(f"unsafe file name in manifest: {name!r} (not valid Unicode)") from None
-    if longest > MAX_NAME_BYTES:  # a damaged manifest, not a full or read-only disk (ENAMETOOLONG)
+    if max(map(len, encoded.split(b"/"))) > MAX_NAME_BYTES:  # damage, not a full disk (ENAMETOOLONG)
         raise ManifestError(f"file name in manifest has a part longer than {MAX_NAME_BYTES} bytes, "
                             "which no Linux filesystem can hold")
     if name == MANIFEST_NAME:

@@ -51,7 +51,7 @@ from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from uploader.destination import Destination
+from uploader.destination import Destination, local_writes
 from uploader.exceptions import CorruptCheckpoint, LocalWriteError, ManifestError, StorageError, UnsupportedFormat
 from uploader.hashing import tagged
 from uploader.layout import (
@@ -214,7 +214,7 @@ def pull_files(remote: Remote, manifest: Manifest, paths: Collection[str], dest:
     wanted = [entries[p] for p in sorted(set(paths))]
     size = sum(f.size for f in wanted)
     with _landing(name, size, dest):
-        with _local_disk():
+        with local_writes(dest):
             dest.mkdir(parents=True, exist_ok=True)
         _fetch(remote, name, wanted, dest, f"download {len(wanted)} of {len(entries)} files of {name}", abort)
     return size
@@ -475,14 +475,14 @@ def _download(
     remote: Remote, name: str, manifest: Manifest, folder: Path, abort: threading.Event | None
 ) -> LocalCheckpoint:
     with _landing(name, manifest.total_size, folder):
-        with _local_disk():
+        with local_writes(folder):
             for abandoned in remove_abandoned_staging(folder, manifest.step):
                 logger.info("removed %s, a download of %s whose process is gone (its room was reserved)",
                             abandoned, name)
             staging = staging_dir(folder, manifest.step)
         try:
             _fetch(remote, name, manifest.files, staging, f"download {name}", abort)
-            with _local_disk():
+            with local_writes(folder):
                 return commit(staging, manifest)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)  # the space it took is given back at once
@@ -495,8 +495,8 @@ def _fetch(remote: Remote, name: str, entries: Sequence[FileEntry], base: Path, 
     making room for all of them: a disk too small for the checkpoint fails before its first byte is
     fetched, not after the files that fit (a sharded checkpoint has many).
 
-    Only sizes the remote's listing confirms are reserved: a manifest that claims more bytes than are
-    stored is a corrupt checkpoint (skipped, set aside), never a full disk."""
+    Only sizes the remote confirms (its listing, or a look-up of the file) are reserved: a manifest that
+    claims more bytes than are stored is a corrupt checkpoint (skipped, set aside), never a full disk."""
     stored = {o.key: o.size for o in remote.list(f"{name}/")}
     for entry in entries:
         key = data_key(name, entry.path)
@@ -507,25 +507,15 @@ def _fetch(remote: Remote, name: str, entries: Sequence[FileEntry], base: Path, 
             if info.size != entry.size:
                 raise CorruptCheckpoint(f"{remote.url}/{key} has {info.size} bytes, the manifest says {entry.size}")
     targets = [(entry, _inside(base, entry.path)) for entry in entries]
-    for entry, target in targets:
-        with _local_disk():
+    with local_writes(base):
+        for entry, target in targets:
             target.parent.mkdir(parents=True, exist_ok=True)
-        Destination(target, entry.size).close()  # get_file opens it as it is: its room stays reserved
+            Destination(target, entry.size).close()  # get_file opens it as it is: its room stays reserved
     progress = Progress(what, sum(entry.size for entry in entries))
     for entry, target in targets:
         remote.get_file(data_key(name, entry.path), target, size=entry.size, digest=entry.digest,
                         algorithm=entry.algorithm, block_size=entry.block_size, on_bytes=progress.add, abort=abort)
     progress.close()
-
-
-@contextlib.contextmanager
-def _local_disk() -> Iterator[None]:
-    """An OSError in the block is the local disk's (the remote's own errors are StorageError)."""
-    try:
-        yield
-    except OSError as e:
-        reason = e.strerror or str(e)
-        raise LocalWriteError(f"{e.filename or 'local disk'}: {reason}", reason, e.errno) from None
 
 
 @contextlib.contextmanager
