@@ -28,7 +28,7 @@ from job import dcp_storage, distributed, sharded
 from job.direct_file import DirectFile
 from job.exceptions import CheckpointLoadError, CheckpointWriteError
 from job.logs import event
-from job.safe_load import clip, first_line, load_weights_only
+from job.safe_load import first_line, load_weights_only
 from job.sharded import HostStaging
 from job.snapshot import Deferred, HostSnapshot, written_by_update
 from state import State
@@ -665,19 +665,6 @@ def load_shard(folder: Path, manifest: Manifest, state: State) -> dict[str, Any]
     return sharded.load_full_state(state, tree, str(folder))
 
 
-def restore(state: State, tree: dict[str, Any], source: str) -> None:
-    """Load a state dict read by :func:`load_state_file` into ``state``."""
-    try:
-        state.load_state_dict(tree)
-    except (KeyError, RuntimeError, ValueError, TypeError) as e:
-        # torch's first line only names the module ("Error(s) in loading state_dict for MLP:"); the
-        # next one says what differs.
-        detail = clip(" ".join([line.strip() for line in str(e).splitlines() if line.strip()][:2]), 300)
-        raise CheckpointLoadError(
-            f"checkpoint {source} does not fit this model/optimizer ({detail}); resume it with the --model it "
-            "was written with, or start a new run in another --save-folder/--remote") from None
-
-
 def model_sha256(model_state: dict[str, Any]) -> str:
     """sha256 over the model's tensors in name order: equal hashes mean bit-identical weights."""
     digest = hashlib.sha256()
@@ -689,6 +676,18 @@ def model_sha256(model_state: dict[str, Any]) -> str:
             digest.update(str(t.dtype).encode() + str(tuple(t.shape)).encode())
             digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
+
+
+def _fingerprint(folder: Path, model_state: Any) -> str:
+    """model_sha256 of a checkpoint's model entry, which is untrusted: anything but names to dense
+    tensors is a damaged checkpoint (exit 6), as it would be for a resume."""
+    if not isinstance(model_state, dict) or not all(isinstance(k, str) for k in model_state):
+        raise CheckpointLoadError(f"{folder}: its model entry is not a mapping of names to tensors: it is damaged")
+    try:
+        return model_sha256(model_state)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise CheckpointLoadError(f"{folder}: its model entry cannot be read ({first_line(e)}): it is "
+                                  "damaged") from None
 
 
 def describe(folder: Path, manifest: Manifest) -> dict[str, Any]:
@@ -708,6 +707,6 @@ def describe(folder: Path, manifest: Manifest) -> dict[str, Any]:
         "tokens": timer.get("token"),
         "bytes": manifest.total_size,
         "created": manifest.created,
-        "model_sha256": model_sha256(loaded.get("model", {})),
+        "model_sha256": _fingerprint(folder, loaded.get("model", {})),
         "meta": manifest.meta,
     }

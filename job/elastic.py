@@ -22,7 +22,9 @@ from typing import Any
 from job import distributed
 from job.build import Run, total_batches
 from job.config import TrainConfig
-from job.exceptions import ConfigError
+from job.exceptions import CheckpointLoadError, ConfigError
+from job.restore import ADVICE
+from job.safe_load import clip
 from state import SEED_LIMIT
 from state.metrics import load_metric_state
 from state.rng import capture_rng, restore_rng, seed_all
@@ -32,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 SAMPLER_SCHEME = "global-batch-v1"  # manifests without it were written by the rank-strided sampler
 LEGACY_SCHEME = "rank-strided-v0"
+MAX_RANKS = 1 << 20  # more than any cluster: a manifest that says more is damaged
 
 
 @dataclass(frozen=True)
@@ -70,8 +73,8 @@ def resumed_plan(meta: dict[str, Any], cfg: TrainConfig, world: int) -> BatchPla
     Checkpoints written before the global batch was recorded derive it from their per-rank settings.
     """
     flags = fresh_plan(cfg, world)
+    old_world = written_on(meta)
     try:
-        old_world = int(meta.get("world_size", 1))
         global_batch = int(meta.get("global_batch", int(meta["batch_size"]) * old_world))
         micro = int(meta.get("micro_batch", int(meta["batch_size"]) // int(meta["grad_accum"])))
     except (KeyError, TypeError, ValueError):
@@ -79,7 +82,7 @@ def resumed_plan(meta: dict[str, Any], cfg: TrainConfig, world: int) -> BatchPla
     if global_batch < 1 or micro < 1:
         return flags
     if global_batch % world:
-        works = [n for n in range(1, global_batch + 1) if global_batch % n == 0 and n <= 1024]
+        works = [n for n in range(1, min(global_batch, 1024) + 1) if global_batch % n == 0]
         raise ConfigError(
             f"the run's global batch of {global_batch} samples does not divide among {world} ranks; resume it on "
             f"{', '.join(map(str, works))} ranks (or start a new run with a --batch-size that divides)")
@@ -91,11 +94,33 @@ def resumed_plan(meta: dict[str, Any], cfg: TrainConfig, world: int) -> BatchPla
     return plan
 
 
+def written_on(meta: dict[str, Any]) -> int:
+    """The number of ranks that wrote a checkpoint, from its manifest (1 when not recorded)."""
+    value = meta.get("world_size", 1)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_RANKS:
+        raise CheckpointLoadError(f"the checkpoint's manifest records world_size {clip(repr(value), 40)}, not a "
+                                  f"number of ranks: it is damaged; {ADVICE}")
+    return value
+
+
 def apply_plan(plan: BatchPlan, run: Run, cfg: TrainConfig, old_world: int) -> None:
     """Split each global batch as ``plan`` says: the sampler's slices, the micro-batches, the schedule's
-    length. The rank-strided scheme's padding is kept only on its own rank count (bit-exact there)."""
-    run.sampler.configure(plan.global_batch, plan.world, distributed.rank(),
-                          wrap_pad=plan.scheme == LEGACY_SCHEME and old_world == plan.world)
+    length. The rank-strided scheme's padding is kept only on its own rank count (bit-exact there).
+
+    The checkpoint's position must lie inside an epoch of this data: further on (other --data, or a
+    damaged timer) the loop would fail at its first batch."""
+    try:
+        run.sampler.configure(plan.global_batch, plan.world, distributed.rank(),
+                              wrap_pad=plan.scheme == LEGACY_SCHEME and old_world == plan.world)
+    except ValueError as e:
+        raise CheckpointLoadError(f"the checkpoint's global batch does not fit this data ({e}): it was written for "
+                                  f"other --data, or is damaged; resume it with its own --data, or {ADVICE}") from None
+    position = run.state.timer.batch_in_epoch.value
+    if position >= len(run.sampler):
+        raise CheckpointLoadError(
+            f"the checkpoint is at batch {position} of its epoch, but an epoch of this data has {len(run.sampler)} "
+            f"global batches: it was written for other --data, or is damaged; resume it with its own --data, "
+            f"or {ADVICE}")
     run.state.grad_accum = plan.grad_accum
     run.schedule_steps = total_batches(cfg, len(run.sampler), plan.global_batch)
 
@@ -131,10 +156,13 @@ class Handover:
         merge_metrics(metrics, self.merge)
 
 
-def for_this_rank(tree: dict[str, Any], rank: int, world: int, seed: int, step: int) -> Handover:
+def for_this_rank(tree: dict[str, Any], rank: int, world: int, seed: int, step: int, source: str) -> Handover:
     """How this rank loads a full checkpoint written by one or more ranks (module docstring)."""
     mine = dict(tree)
     per_rank = mine.pop(distributed.PER_RANK, None) or [{k: tree.get(k) for k in distributed.PER_RANK_KEYS}]
+    if not isinstance(per_rank, list) or not all(isinstance(p, dict) for p in per_rank):
+        raise CheckpointLoadError(f"checkpoint {source} is damaged: its per-rank states are not a list of "
+                                  f"mappings; {ADVICE}")
     if len(per_rank) == world:  # the same ranks: each its own, exactly
         mine.update({k: v for k, v in per_rank[rank].items() if v is not None})
         return Handover(mine, [])

@@ -12,10 +12,11 @@ from typing import Any
 from torch.distributed.device_mesh import DeviceMesh
 
 from job import distributed, elastic, node_pull
-from job.checkpoint import Checkpointer, check_settings, load_shard, load_state_file, open_checkpoint, restore
+from job.checkpoint import Checkpointer, check_settings, load_shard, load_state_file, open_checkpoint
 from job.config import CheckpointConfig
 from job.exceptions import CheckpointLoadError, ConfigError
 from job.logs import event
+from job.restore import restore
 from job.storage import RemoteStore
 from state import State
 from uploader import local
@@ -112,15 +113,15 @@ def resume(state: State, cfg: CheckpointConfig, checkpointer: Checkpointer, meta
         found = node_pull.resume_from_bucket(state, cfg.folder, store, _newest_whole_local(cfg.folder), meta)
         if found is not None:
             tree, manifest, source = found
-            loaded = (tree, source, manifest.meta, manifest.step)
+            loaded = (tree, source, manifest.meta, manifest.step, manifest.timer)
     if loaded is None:
         loaded = _load_chosen(state, cfg, checkpointer, meta, store, mesh, pulling)
     if loaded is None:
         return None
-    tree, source, ckpt_meta, step = loaded
+    tree, source, ckpt_meta, step, timer = loaded
     handover = elastic.for_this_rank(tree, distributed.rank(), distributed.world_size(),
-                                     seed=state.rank_zero_seed, step=step)
-    restore(state, handover.tree, source)
+                                     seed=state.rank_zero_seed, step=step, source=source)
+    restore(state, handover.tree, source, step, timer)
     handover.finish(state.train_metrics)
     event(logger, "resumed", step=state.timer.batch.value, epoch=state.timer.epoch.value, source=source,
           world_size_was=ckpt_meta.get("world_size"), world_size=distributed.world_size())
@@ -135,10 +136,10 @@ def _newest_whole_local(folder: Path) -> int:
 
 
 def _load_chosen(state: State, cfg: CheckpointConfig, checkpointer: Checkpointer, meta: dict[str, Any],
-                 store: RemoteStore | None, mesh: DeviceMesh | None,
-                 pulling: Future[LocalCheckpoint | None] | None) -> tuple[Any, str, dict[str, Any], int] | None:
-    """The checkpoint rank 0 chooses, read: its state dict, where it came from, its meta and step."""
-    loaded: tuple[str, Any, str, dict[str, Any], int] | None = None
+                 store: RemoteStore | None, mesh: DeviceMesh | None, pulling: Future[LocalCheckpoint | None] | None,
+                 ) -> tuple[Any, str, dict[str, Any], int, dict[str, int]] | None:
+    """The checkpoint rank 0 chooses, read: its state dict, where it came from, its meta, step and timer."""
+    loaded: tuple[str, Any, str, dict[str, Any], int, dict[str, int]] | None = None
     if distributed.rank() == 0:
         chosen = choose(cfg, checkpointer, store, pulling)
         if chosen is not None:
@@ -148,17 +149,17 @@ def _load_chosen(state: State, cfg: CheckpointConfig, checkpointer: Checkpointer
             # rank 0 reads the whole state (a sharded checkpoint reassembled) and broadcasts it.
             loaded = (("sharded", (str(folder), manifest), source) if mesh is not None
                       else ("full", load_state_file(folder, manifest), source))
-            loaded = (*loaded, manifest.meta, manifest.step)
+            loaded = (*loaded, manifest.meta, manifest.step, manifest.timer)
     loaded = distributed.broadcast_choice(loaded)
     if loaded is None:
         return None
-    kind, payload, source, ckpt_meta, step = loaded
+    kind, payload, source, ckpt_meta, step, timer = loaded
     if kind == "sharded" and distributed.nodes() > 1:  # every node reads the whole from its own disk
         if distributed.node_leader() and distributed.rank() != 0:
             _whole_on_this_node(store, Path(payload[0]).parent, step, source, pulling)
         distributed.barrier()
     tree = load_shard(Path(payload[0]), payload[1], state) if kind == "sharded" else payload
-    return tree, source, ckpt_meta, step
+    return tree, source, ckpt_meta, step, timer
 
 
 def _whole_on_this_node(store: RemoteStore | None, folder: Path, step: int, source: str,

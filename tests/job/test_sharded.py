@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from job import dcp_storage
-from job.checkpoint import describe, load_state_file, open_checkpoint, restore
+from job.checkpoint import describe, load_state_file, open_checkpoint
+from job.restore import restore
 from job.exceptions import CheckpointLoadError
 from job.sharded import by_id
 from tests.job.test_checkpoint import _Exploit
@@ -122,7 +123,8 @@ def test_a_sharded_checkpoint_loads_into_one_unsharded_process(saved: Path) -> N
     assert len(tree["per_rank"]) == 2 and all(set(p) == {"rng", "train_metrics"} for p in tree["per_rank"])
 
     state = build(train_config(batch_size=32, grad_accum=1, seed=11)).state
-    restore(state, for_this_rank(tree, 0, 1, seed=11, step=manifest.step).tree, str(folder))
+    handover = for_this_rank(tree, 0, 1, seed=11, step=manifest.step, source=str(folder))
+    restore(state, handover.tree, str(folder), manifest.step, manifest.timer)
     assert all(torch.equal(p, reference["model"][k]) for k, p in state.model.state_dict().items())
     assert state.timer.batch.value == manifest.step == 2
 

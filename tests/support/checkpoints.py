@@ -9,11 +9,13 @@ import io
 import mmap
 import os
 import random
+import json
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 from pathlib import Path
 
-from uploader.hashing import BLAKE3, BLOCK_SIZE, SHA256, StreamDigest, block_count
+from uploader.hashing import BLAKE3, BLOCK_SIZE, SHA256, StreamDigest, block_count, file_digest, sha256_file
 from uploader.local import FINISHED_NAME, LocalCheckpoint, commit, staging_dir
 from uploader.manifest import FORMAT_VERSION, FileEntry, Manifest
 from uploader.remote import Remote
@@ -58,6 +60,23 @@ def make_checkpoint(
     return commit(staging, manifest)
 
 
+def reseal(ckpt_path: Path, edit: Callable[[dict[str, Any]], None] | None = None) -> None:
+    """Make a committed checkpoint verify again after its files were changed: every file's size and
+    digest recomputed (same algorithm and blocks), then ``edit`` applied to the manifest's JSON. What a
+    hand-made checkpoint looks like: sealed well, whatever it holds."""
+    path = ckpt_path / "manifest.json"
+    doc = json.loads(path.read_text())
+    for entry in doc["files"]:
+        algorithm = BLAKE3 if BLAKE3 in entry else SHA256
+        block_size = entry.get("block_size")
+        found = ckpt_path / entry["path"]
+        entry["size"], entry[algorithm] = (sha256_file(found) if block_size is None
+                                           else file_digest(found, block_size, algorithm=algorithm))
+    if edit is not None:
+        edit(doc)
+    path.write_text(json.dumps(doc, indent=1, sort_keys=True))
+
+
 def files_of(ckpt_path: Path) -> dict[str, bytes]:
     """Every file of a checkpoint folder (manifest included), by relative path: compare two folders with ==."""
     return {p.relative_to(ckpt_path).as_posix(): p.read_bytes() for p in sorted(ckpt_path.rglob("*")) if p.is_file()}
@@ -90,6 +109,11 @@ def corrupt_file(path: Path) -> None:
 def complete_steps(remote: Remote) -> list[int]:
     """Steps of the complete checkpoints on a remote, oldest first."""
     return [c.step for c in list_remote(remote) if c.complete]
+
+
+def objects_of(remote: Remote, prefix: str = "") -> dict[str, bytes | None]:
+    """Every object under ``prefix`` of a remote with its bytes: compare a remote before and after with ==."""
+    return {o.key: remote.read_bytes(o.key) for o in remote.list(prefix)}
 
 
 def cached_pages(path: Path) -> int:

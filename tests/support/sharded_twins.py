@@ -25,7 +25,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from job import distributed, elastic
 from job.build import build
-from job.checkpoint import Checkpointer, load_shard, restore
+from job.checkpoint import Checkpointer, load_shard
+from job.restore import restore
 from job.sharded import by_id
 from tests.support.jobs import train_config
 from uploader.manifest import Manifest
@@ -93,8 +94,8 @@ def check(src: Path, out: Path, name: str) -> int:
     manifest.verify(src)
     tree = load_shard(src, manifest, state)
     handover = elastic.for_this_rank(tree, distributed.rank(), distributed.world_size(), seed=state.rank_zero_seed,
-                                     step=manifest.step)
-    restore(state, handover.tree, str(src))
+                                     step=manifest.step, source=str(src))
+    restore(state, handover.tree, str(src), manifest.step, manifest.timer)
     model, optim = gathered(state)
     code = 0
     if distributed.rank() == 0:

@@ -1,0 +1,135 @@
+"""Restoring a checkpoint's state into this run's State, and refusing content that does not hold up.
+
+A checkpoint's bytes are verified against its manifest, but a damaged or hand-made one can be sealed
+well and still hold nonsense. Without these checks it went wrong in two ways. An entry missing (no
+model, an empty state) only warned: the run went on from step 0 or from random weights, and its new
+checkpoints replaced the good ones of the same steps, locally and in the bucket. Content of the wrong
+kind (a timer that is a number, a learning rate that is a string, moments of another shape) ended in
+a traceback (exit 1), some of it only at the first step. Here every such checkpoint is a
+CheckpointLoadError (exit 6) before training starts, with the earlier checkpoints untouched.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from job.exceptions import CheckpointLoadError
+from job.safe_load import clip
+from state import State
+from state.exceptions import StateError
+
+# Written by every version of the job; without them a resume would silently not be one.
+REQUIRED = ("model", "optimizers", "timer", "rng")
+# What State.load_state_dict, and the optimizers, schedulers and metrics it drives, raise on content they cannot take.
+CONTENT_ERRORS = (StateError, KeyError, RuntimeError, ValueError, TypeError, AttributeError, IndexError, OverflowError)
+ADVICE = "restore a good checkpoint, or start a new run in another --save-folder/--remote"
+
+
+def restore(state: State, tree: Mapping[Any, Any], source: str, step: int, timer: Mapping[str, int]) -> None:
+    """Load ``tree`` (read by job.checkpoint, handed over by job.elastic) into ``state``, then check
+    what it restored against the checkpoint's manifest (``step``, ``timer``) and this run's optimizer."""
+    missing = [name for name in REQUIRED if name not in tree]
+    if missing:
+        raise CheckpointLoadError(f"checkpoint {source} has no {', '.join(missing)}: it is damaged or was not "
+                                  f"written by spot-trainer; {ADVICE}")
+    before = _settings(state)
+    try:
+        state.load_state_dict(tree, strict=True)
+    except CONTENT_ERRORS as e:
+        raise CheckpointLoadError(
+            f"checkpoint {source} does not fit this model/optimizer or is damaged ({_what_differs(e)}); "
+            f"resume it with the --model it was written with, or {ADVICE}") from None
+    problem = _timer_problem(state, step, timer) or _optimizer_problem(state) or _settings_problem(state, before)
+    if problem is None and not all(isinstance(v, Mapping) for v in _values(state.current_metrics)):
+        problem = "its current_metrics are not a mapping of metric values"
+    if problem is not None:
+        raise CheckpointLoadError(f"checkpoint {source} is damaged: {problem}; {ADVICE}")
+
+
+def _what_differs(error: Exception) -> str:
+    """One line of ``error``. torch's first line only names the module ("Error(s) in loading state_dict
+    for MLP:"), the next ones say what differs, by kind: the first of each kind (missing keys, size
+    mismatches...) is kept, so that a long list of one kind does not hide the others."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if lines and lines[0].startswith("Error(s) in loading state_dict"):
+        kinds: dict[str, str] = {}
+        for line in lines[1:]:
+            kinds.setdefault(line.split(":")[0].split(" for ")[0], clip(line, 140))
+        lines = list(kinds.values())
+    return clip("; ".join(lines), 300) or type(error).__name__
+
+
+def _values(found: Any) -> list[Any]:
+    return list(found.values()) if isinstance(found, Mapping) else [None]
+
+
+def _timer_problem(state: State, step: int, timer: Mapping[str, int]) -> str | None:
+    """The manifest was written from the same timer: any difference is damage (a step 10**30 would
+    finish the run at once, a step 0 would start it over)."""
+    restored = state.timer.state_dict()
+    if restored["batch"] != step:
+        return f"its state is at step {restored['batch']}, its manifest at step {step}"
+    for name, value in timer.items():
+        if name in restored and restored[name] != value:
+            return f"its timer's {name} is {restored[name]}, its manifest's {value}"
+    return None
+
+
+def _optimizer_problem(state: State) -> str | None:
+    """Per-parameter state (AdamW's moments) must have its parameter's shape, or be one number (``step``):
+    torch's load_state_dict casts dtypes but takes any shape, and the first step would fail on it."""
+    for opt in state.optimizers:
+        for group in opt.param_groups:
+            for param in group["params"]:
+                for name, value in opt.state.get(param, {}).items():
+                    if isinstance(value, torch.Tensor):
+                        if value.dim() > 0 and value.shape != param.shape:
+                            return (f"optimizer state {name!r} has shape {tuple(value.shape)} for a parameter of "
+                                    f"shape {tuple(param.shape)}")
+                    elif not _is_number(value):
+                        return f"optimizer state {name!r} is a {type(value).__name__}, not a tensor"
+    return None
+
+
+def _settings(state: State) -> dict[str, Any]:
+    """The optimizers' param-group settings and the schedulers' state (lr, betas, last_epoch, base_lrs...),
+    by a name that says where each is. Read again after loading: torch replaces the param groups."""
+    found: dict[str, Any] = {}
+    for i, opt in enumerate(state.optimizers):
+        for g, group in enumerate(opt.param_groups):
+            found.update({f"{type(opt).__name__} {i} group {g} {key}": value for key, value in group.items()
+                          if key != "params"})
+    for i, scheduler in enumerate(state.schedulers):
+        found.update({f"{type(scheduler).__name__} {i} {key}": value for key, value in vars(scheduler).items()
+                      if key != "optimizer"})
+    return found
+
+
+def _settings_problem(state: State, before: dict[str, Any]) -> str | None:
+    """Each setting that was a number (or a sequence of them) must still be one, of as many: a learning
+    rate of "fast" failed inside AdamW at the first step, a string last_epoch in the schedule."""
+    after = _settings(state)
+    for name, old in before.items():
+        new = after.get(name)
+        if _numeric(old) and not (_numeric(new) and _length(new) == _length(old)):
+            return f"{name} is {clip(repr(new), 60)}, not a number like {clip(repr(old), 60)}"
+    return None
+
+
+def _length(value: Any) -> int | None:
+    return len(value) if isinstance(value, (list, tuple)) else None
+
+
+def _is_number(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and not value.is_complex()
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _numeric(value: Any) -> bool:
+    """A number, or a non-empty list or tuple of numbers (betas, base_lrs)."""
+    if isinstance(value, (list, tuple)):
+        return bool(value) and all(_is_number(v) for v in value)
+    return _is_number(value)

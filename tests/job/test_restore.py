@@ -1,0 +1,152 @@
+"""A checkpoint that verifies byte for byte but holds damaged or hand-made content is refused (exit 6)
+before training starts, and nothing of the run's good checkpoints is changed (job.restore, job.elastic)."""
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from job.checkpoint import STATE_FILE, describe, open_checkpoint
+from job.exceptions import CheckpointLoadError, ConfigError
+from job import elastic
+from tests.support.checkpoints import checkpoints_of, reseal
+from tests.support.jobs import ckpt_config, run_job, train_config, train_state
+from uploader import local
+
+Edit = Callable[[dict[str, Any]], Any]
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run of 4 batches that saved at steps 2 and 4 (the tests copy it, never change it)."""
+    folder = tmp_path_factory.mktemp("good") / "ckpts"
+    train_state(train_config(max_duration="4ba"), ckpt_config(folder, interval="2ba", async_save=False))
+    return folder
+
+
+def damaged_copy(good: Path, tmp_path: Path, state: Edit | None = None, manifest: Edit | None = None) -> Path:
+    """A copy of ``good`` whose step 4 has ``state`` applied to its state dict (the return value, when
+    not None, replaces it) and ``manifest`` to its manifest, sealed again so that it verifies."""
+    folder = tmp_path / "ckpts"
+    shutil.copytree(good, folder)
+    newest = folder / local.checkpoint_name(4)
+    if state is not None:
+        tree = torch.load(newest / STATE_FILE, weights_only=True)
+        edited = state(tree)
+        tree = tree if edited is None else edited
+        torch.save(tree, newest / STATE_FILE)
+    reseal(newest, manifest)
+    return folder
+
+
+def _set(path: str, value: Any) -> Edit:
+    """Set the entry at a dotted path of the state dict ("optimizers.AdamW.param_groups.0.lr")."""
+    *parents, last = path.split(".")
+
+    def edit(tree: dict[str, Any]) -> None:
+        node: Any = tree
+        for key in parents:
+            node = node[_key(node, key)]
+        node[_key(node, last)] = value
+    return edit
+
+
+def _key(node: Any, key: str) -> Any:
+    """Lists and torch's optimizer state are indexed by numbers."""
+    return int(key) if isinstance(node, list) or (key.isdigit() and key not in node) else key
+
+
+def _drop(key: str) -> Edit:
+    def edit(tree: dict[str, Any]) -> None:
+        del tree[key]
+    return edit
+
+
+# Each was exit 0 with a run that started over or trained random weights (and replaced the good
+# checkpoints of the steps it reached again), or a traceback (exit 1), before job.restore.
+DAMAGED_STATES = {
+    "an empty state": (lambda tree: {}, "has no model, optimizers, timer, rng"),
+    "no Timer in the timer entry": (_set("timer", {}), "its state is at step 0, its manifest at step 4"),
+    "no model": (_drop("model"), "has no model"),
+    "an empty model": (_set("model", {}), "Missing key"),
+    "a timer that is a number": (_set("timer", 5), "damaged"),
+    "a step of 10**30": (_set("timer.Timer.batch", 10 ** 30), "its state is at step 10000000000000000000000000000"),
+    "an epoch of 2**70": (_set("timer.Timer.epoch", 2 ** 70), "its timer's epoch is"),
+    "a batch in the epoch past its end": (_set("timer.Timer.batch_in_epoch", 1000), "its timer's batch_in_epoch"),
+    "an rng without torch's": (lambda tree: _drop("torch")(tree["rng"]), "damaged"),
+    "a numpy rng position of 10**30": (_set("rng.numpy.pos", 10 ** 30), "damaged"),
+    "an optimizer state that is a number": (_set("optimizers.AdamW.state", 5), "damaged"),
+    "moments of another shape": (_set("optimizers.AdamW.state.0.exp_avg", torch.zeros(7)),
+                                 "optimizer state 'exp_avg' has shape (7,)"),
+    "a learning rate of 'fast'": (_set("optimizers.AdamW.param_groups.0.lr", "fast"), "AdamW 0 group 0 lr is 'fast'"),
+    "a schedule position of 'x'": (_set("schedulers.CosineAnnealingLR.last_epoch", "x"),
+                                   "CosineAnnealingLR 0 last_epoch is 'x'"),
+    "base learning rates of ['x']": (_set("schedulers.CosineAnnealingLR.base_lrs", ["x"]), "base_lrs is ['x']"),
+    "schedulers as a list": (_set("schedulers", [1]), "damaged"),
+    "train metrics that are a number": (_set("train_metrics", 5), "damaged"),
+    "current metrics that are a number": (_set("current_metrics", 5), "current_metrics are not a mapping"),
+    "an integer model key": (lambda tree: tree["model"].__setitem__(7, torch.zeros(2)), "damaged"),
+    "per-rank states that are a number": (_set("per_rank", 5), "per-rank states are not a list of mappings"),
+    "per-rank states of numbers": (_set("per_rank", [5, 6]), "per-rank states are not a list of mappings"),
+}
+
+
+@pytest.mark.parametrize("case", list(DAMAGED_STATES))
+@pytest.mark.filterwarnings("ignore:Timer .in timer. is not in the checkpoint:UserWarning")  # State's own leniency
+def test_damaged_content_is_refused_before_training_and_loses_nothing(good: Path, tmp_path: Path, case: str) -> None:
+    edit, says = DAMAGED_STATES[case]
+    folder = damaged_copy(good, tmp_path, state=edit)
+    before = checkpoints_of(folder)
+    with pytest.raises(CheckpointLoadError, match=f"checkpoint .*{local.checkpoint_name(4)}") as refused:
+        train_state(train_config(max_duration="6ba"), ckpt_config(folder, interval="2ba", async_save=False))
+    assert says in str(refused.value)
+    assert checkpoints_of(folder) == before  # step 2 and the damaged step 4 alike: nothing rewritten
+
+
+@pytest.mark.parametrize("manifest, says", [
+    (lambda doc: doc["meta"].__setitem__("world_size", "two"), "records world_size 'two', not a number of ranks"),
+    (lambda doc: doc["meta"].__setitem__("world_size", 0), "records world_size 0"),
+    (lambda doc: doc["meta"].update(global_batch=10 ** 15), "global batch does not fit this data"),
+])
+def test_a_damaged_manifest_meta_is_refused(good: Path, tmp_path: Path, manifest: Edit, says: str) -> None:
+    folder = damaged_copy(good, tmp_path, manifest=manifest)
+    before = checkpoints_of(folder)
+    with pytest.raises(CheckpointLoadError, match=says):
+        train_state(train_config(max_duration="6ba"), ckpt_config(folder, interval="2ba", async_save=False))
+    assert checkpoints_of(folder) == before
+
+
+def test_an_odd_global_batch_of_10_to_the_12_is_answered_at_once() -> None:
+    """The advice lists rank counts that divide it; it once tried every number up to the global batch."""
+    meta = {"global_batch": 10 ** 12 + 1, "micro_batch": 2, "world_size": 1, "batch_size": 2, "grad_accum": 1}
+    with pytest.raises(ConfigError, match=r"resume it on 1, 73, 137 ranks"):
+        elastic.resumed_plan(meta, train_config(), world=2)
+
+
+def test_the_cli_says_one_line_exit_6_and_keeps_the_good_checkpoints(good: Path, tmp_path: Path) -> None:
+    folder = damaged_copy(good, tmp_path, state=lambda tree: {})
+    before = checkpoints_of(folder)
+    done = run_job("train", "--max-duration", "6ba", "--save-interval", "2ba", "--save-folder", str(folder),
+                   "--log-format", "json")
+    assert done.returncode == 6, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("job: error: checkpoint") and "has no model" in last and "Traceback" not in done.stderr
+    assert checkpoints_of(folder) == before
+
+
+@pytest.mark.parametrize("model", [5, [1, 2], {7: torch.zeros(2)}])
+def test_inspect_calls_a_malformed_model_entry_damaged(good: Path, tmp_path: Path, model: Any) -> None:
+    folder = damaged_copy(good, tmp_path, state=_set("model", model))
+    with pytest.raises(CheckpointLoadError, match="its model entry .* it is damaged"):
+        describe(*open_checkpoint(folder / local.checkpoint_name(4)))
+
+
+def test_the_sealed_copy_of_a_good_checkpoint_still_resumes(good: Path, tmp_path: Path) -> None:
+    """The tests' own control: a copy sealed again without a change resumes and trains on."""
+    folder = damaged_copy(good, tmp_path, state=lambda tree: None)
+    state = train_state(train_config(max_duration="6ba"), ckpt_config(folder, interval="2ba", async_save=False))
+    assert state.timer.batch.value == 6
