@@ -106,6 +106,11 @@ class RunlogMirror:
         """Regular files only, no symlinks (a link could point anywhere on the node), no dot files
         (a writer's temporary file before its rename)."""
         found: list[tuple[str, Path, _Seen]] = []
+        try:  # os.walk follows a link given as its top: runlog/ itself must be a real folder
+            if not stat.S_ISDIR(self.root.lstat().st_mode):
+                return found
+        except OSError:
+            return found  # none yet
         for dirpath, dirnames, filenames in os.walk(self.root):
             dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and not os.path.islink(
                 os.path.join(dirpath, d)))

@@ -45,6 +45,16 @@ def test_links_dot_files_and_other_lives_remote_files_are_left_alone(remote: Rem
                             "runlog/ledger/life-earlier.json": b"an earlier life, on another disk"}
 
 
+def test_a_run_log_folder_that_is_a_link_is_not_followed(remote: Remote, local: Path, tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "ledger").mkdir(parents=True)
+    (elsewhere / "ledger" / "passwd").write_text("not for the bucket")
+    local.mkdir()
+    os.symlink(elsewhere, local / RUNLOG_DIR)
+    assert RunlogMirror(local, remote).sync() == 0
+    assert keys(remote) == {}
+
+
 def test_a_restarted_mirror_does_not_upload_again_what_is_there(remote: Remote, local: Path) -> None:
     ledger = local / RUNLOG_DIR / "ledger"
     ledger.mkdir(parents=True)
