@@ -30,7 +30,7 @@ from job.signals import StopRequest
 from job.spot import SpotWatcher, check_endpoint, make_source
 from job.storage import UPLOAD_MODES, RemoteConfig
 from state import SEED_LIMIT, Precision, PrecisionError, Time, TimeUnit
-from uploader.cli import report_click_error
+from uploader.cli import Seconds, report_click_error
 from uploader.config import ADDRESSING_STYLES, UploadConfig
 from uploader.exceptions import UploaderError
 from uploader.redact import redact_text
@@ -194,17 +194,17 @@ def _dump_stacks_in_child(stream: Any) -> None:
 @option("--remote", default=None, help="s3://bucket/prefix or file:///path: pull on start-up, upload checkpoints.")
 @option("--upload", type=click.Choice(UPLOAD_MODES), default="inprocess",
         help="inprocess: upload in a background thread; sidecar: leave it to `uploader watch`; off.")
-@option("--final-upload-timeout", type=click.FloatRange(min=0, min_open=True), default=600.0,
+@option("--final-upload-timeout", type=Seconds(min=0, min_open=True), default=600.0,
         help="At the end of training, seconds to wait for the final checkpoint's upload before exiting 5 "
              "(the checkpoint stays in --save-folder for the next start or a sidecar).")
 @option("--endpoint-url", default=None, help="S3 endpoint (MinIO, SeaweedFS, ...); AWS_ENDPOINT_URL is honoured too.")
 @option("--addressing", type=click.Choice(ADDRESSING_STYLES), default="auto", help="S3 addressing; path for MinIO.")
-@option("--grace-period", type=click.FloatRange(min=0), default=25.0,
+@option("--grace-period", type=Seconds(min=0), default=25.0,
         help="Seconds from SIGTERM to exit: final checkpoint and upload must fit (k8s default grace is 30 s).")
 @option("--spot-notice", type=click.Choice(["off", "aws", "gcp", "auto"]), default="off",
         help="Poll the cloud metadata server for spot interruption notices.")
 @option("--spot-endpoint", default=None, help="Metadata server base URL (default: the cloud's own).")
-@option("--spot-poll-interval", type=click.FloatRange(min=0.1), default=5.0, help="Seconds between notice polls.")
+@option("--spot-poll-interval", type=Seconds(min=0.1), default=5.0, help="Seconds between notice polls.")
 @option("--log-format", type=click.Choice(["auto", "text", "json"]), default="auto",
         help="auto: text on a terminal, JSON lines otherwise.")
 @option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",

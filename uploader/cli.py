@@ -26,6 +26,7 @@ Errors are one line on stderr, without a traceback (``--log-level debug`` logs i
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import signal
@@ -101,6 +102,19 @@ class Size(click.ParamType):  # type: ignore[type-arg]  # generic only from clic
         return int(m.group(1)) * self._UNITS[m.group(2).lower()]
 
 
+class Seconds(click.FloatRange):
+    """A number of seconds within bounds, and finite: click's FloatRange lets nan through every bound
+    (a poll interval of nan polled without a pause), and a wait of inf or 1e308 seconds overflows
+    time_t or the thread wait's limit (threading.TIMEOUT_MAX, 292 years)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        seconds = super().convert(value, param, ctx)
+        if not math.isfinite(seconds) or seconds > threading.TIMEOUT_MAX:
+            self.fail(f"{value!r} is not a number of seconds a wait can take (finite, at most "
+                      f"{threading.TIMEOUT_MAX:.3g})", param, ctx)
+        return seconds
+
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -171,10 +185,10 @@ Exit codes: 0 ok; 1 unexpected; 2 usage; 3 auth/permission; 4 bucket missing;
 @option("--addressing", type=click.Choice(ADDRESSING_STYLES), default="auto",
         help="Bucket addressing; 'path' for MinIO/SeaweedFS behind one host name.")
 @option("--max-attempts", type=click.IntRange(min=1), default=8, help="Attempts per request (1 = no retry).")
-@option("--max-retry-seconds", type=click.FloatRange(min=0, min_open=True), default=120.0,
+@option("--max-retry-seconds", type=Seconds(min=0, min_open=True), default=120.0,
         help="Wall-clock limit on one request, all its attempts together (keep it above the time one part takes).")
-@option("--connect-timeout", type=click.FloatRange(min=0, min_open=True), default=10.0, help="Seconds.")
-@option("--read-timeout", type=click.FloatRange(min=0, min_open=True), default=60.0, help="Seconds.")
+@option("--connect-timeout", type=Seconds(min=0, min_open=True), default=10.0, help="Seconds.")
+@option("--read-timeout", type=Seconds(min=0, min_open=True), default=60.0, help="Seconds.")
 @option("--multipart-threshold", type=Size(), default="64MiB", help="Files this large go up in parts.")
 @option("--part-size", type=Size(), default="16MiB", help="Size of one part (at least 5MiB).")
 @option("--concurrency", type=click.IntRange(1, 64), default=8, help="Parts in flight per file.")
@@ -228,9 +242,9 @@ def sync(config: UploadConfig, local: Path, remote_url: str) -> None:
 @main.command()
 @click.argument("local", type=LOCAL)
 @click.argument("remote_url", metavar="REMOTE")
-@option("--poll-interval", type=click.FloatRange(min=0, min_open=True), default=2.0,
+@option("--poll-interval", type=Seconds(min=0, min_open=True), default=2.0,
         help="Seconds between looks at LOCAL.")
-@option("--grace", type=click.FloatRange(min=0), default=90.0,
+@option("--grace", type=Seconds(min=0), default=90.0,
         help="After SIGTERM, seconds left to finish uploading (keep below the pod's terminationGracePeriodSeconds).")
 @click.pass_obj
 def watch(config: UploadConfig, local: Path, remote_url: str, poll_interval: float, grace: float) -> None:

@@ -41,6 +41,8 @@ def run_main(capsys, *argv: str) -> tuple[int, str, str]:
         (["train", "--seed", "-1"], "--seed"),
         (["train", "--seed", "4294967296"], "--seed"),
         (["train", "--lr", "inf"], "--lr"),
+        (["train", "--spot-poll-interval", "nan"], "'nan' is not a number of seconds a wait can take"),
+        (["train", "--grace-period", "inf"], "--grace-period"),
         (["train", "--sharded"], "torchrun"),
         (["train", "--spot-notice", "aws", "--spot-endpoint", "notaurl"], "--spot-endpoint"),
         (["train", "--save-interval", "1.5dur"], "--save-interval"),
