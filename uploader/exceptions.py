@@ -26,6 +26,21 @@ class CorruptCheckpoint(UploaderError):
     """A checkpoint whose files do not match its manifest (size or digest), or are missing."""
 
 
+class LocalCheckpointError(UploaderError):
+    """Raised by an upload (uploader.sync) when the *local* checkpoint is at fault, never the remote: only this
+    may make ``sync`` and ``watch`` set the local checkpoint aside. Damage found in the remote (an entry that is
+    not an object, a newer build's checkpoint of the same step) is never a reason to set good local work aside."""
+
+
+class LocalCorruptCheckpoint(LocalCheckpointError, CorruptCheckpoint):
+    """A local checkpoint being uploaded whose files do not match its manifest, or whose manifest cannot be
+    read or used."""
+
+
+class LocalUnsupportedFormat(LocalCheckpointError, UnsupportedFormat):
+    """A local checkpoint being uploaded that a newer spot-trainer wrote: skipped, never set aside."""
+
+
 class NoCheckpointFound(UploaderError):
     """A pull found no complete checkpoint that verifies under the remote prefix."""
 

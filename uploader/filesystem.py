@@ -133,13 +133,13 @@ class FileRemote:
         on_bytes: OnBytes | None = None,
         abort: threading.Event | None = None,
     ) -> None:
-        with self._atomic(key) as tmp:
-            try:
-                src = open(path, "rb")
+        with self._atomic(key) as tmp, contextlib.ExitStack() as stack:
+            try:  # never through a link, never past the size (a planted /dev/zero): uploader.sync checks both
+                src = stack.enter_context(open_regular(path))
             except OSError as e:
                 raise CorruptCheckpoint(f"cannot read {path}: {e.strerror}") from None
-            with src, open(tmp, "wb") as dst:
-                actual_size, actual_digest = _copy(src, dst, block_size, algorithm, on_bytes, abort)
+            with open(tmp, "wb") as dst:
+                actual_size, actual_digest = _copy(src, dst, block_size, algorithm, on_bytes, abort, limit=size + 1)
             if actual_size != size or actual_digest != digest:
                 raise CorruptCheckpoint(f"{path} does not match its manifest (size or {algorithm}); not uploading it")
             _set_digest(tmp, tagged(algorithm, digest))

@@ -236,15 +236,16 @@ def prune(folder: Path, keep: int, newest: int, protect: Collection[Path] = ()) 
 
     Counting back from the checkpoint just committed, never from the highest step on disk: a newer
     one (another run's, or one a reader could not verify) is neither counted nor deleted, so it can
-    never push good work out. ``protect`` lists checkpoints still needed by someone else (an upload in
-    progress): they stay until a later prune, so a fast save cadence can never delete a checkpoint
-    under its uploader.
+    never push good work out; nor is an older one whose manifest does not parse or names another step
+    (garbage is no checkpoint, and not retention's to judge: it is left, with a warning). ``protect``
+    lists checkpoints still needed by someone else (an upload in progress): they stay until a later
+    prune, so a fast save cadence can never delete a checkpoint under its uploader.
     """
     if keep < 1:
         raise ValueError("keep must be >= 1")
     removed = []
     protected = {Path(p) for p in protect}
-    older = [c for c in list_committed(folder) if c.step <= newest]
+    older = [c for c in list_committed(folder) if c.step == newest or (c.step < newest and _counted(c))]
     for ckpt in older[:-keep]:
         if ckpt.path in protected or ckpt.step == newest:
             continue
@@ -254,6 +255,20 @@ def prune(folder: Path, keep: int, newest: int, protect: Collection[Path] = ()) 
         shutil.rmtree(ckpt.path, ignore_errors=True)
         removed.append(ckpt.path)
     return removed
+
+
+def _counted(ckpt: LocalCheckpoint) -> bool:
+    """Whether :func:`prune` may count, and so delete, a committed checkpoint: its manifest parses and is for
+    its own step (its files are not read: that is verification's job)."""
+    try:
+        manifest = ckpt.manifest()
+        problem = None if manifest.step == ckpt.step else f"its manifest is for step {manifest.step}"
+    except (CorruptCheckpoint, ManifestError) as e:
+        problem = str(e)
+    if problem is not None:
+        logger.warning("retention: %s is neither counted nor deleted: %s; delete it by hand once inspected",
+                       ckpt.path, problem)
+    return problem is None
 
 
 @dataclass(frozen=True)

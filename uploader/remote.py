@@ -75,7 +75,9 @@ class Remote(Protocol):
         abort: threading.Event | None = None,
     ) -> None:
         """Upload a local file whose size and digest (of ``algorithm``, with ``block_size``: a manifest
-        entry's) must match; the digest is stored with the object."""
+        entry's) must match; the digest is stored with the object. CorruptCheckpoint only for the local
+        file (unreadable, or not what the manifest says): uploader.sync holds the local checkpoint at fault
+        for it, so a failure of the remote must be another error (StorageError)."""
         ...
 
     def get_file(

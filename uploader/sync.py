@@ -3,7 +3,13 @@
 Push: data files first (each skipped if the remote already holds it with the same size and digest,
 so an interrupted upload resumes), the manifest last, then ``latest``, then retention. A remote
 checkpoint without its manifest is incomplete and is never pulled; if a *different* checkpoint of
-the same step is already remote, its manifest is deleted before any of its files are replaced.
+the same step is already remote, its manifest is deleted before any of its files are replaced. Two
+remote manifests of that step are never replaced, and the upload stops before it deletes or writes
+anything: one a newer spot-trainer wrote (UnsupportedFormat, in a pull's words: exit 6), and a key the
+remote cannot read as an object (file://: a folder, link or FIFO in its place; CorruptCheckpoint, exit
+6), which only a person should remove. Only a local checkpoint that fails its own checks (its manifest,
+or a file that does not match it: LocalCheckpointError) is ever set aside by ``sync`` and ``watch``;
+damage in the remote is never a reason to set good local work aside.
 
 Pull: list the remote (``latest`` is never trusted), take complete checkpoints newest first,
 download into a local staging folder while hashing, compare with the manifest, and commit it with
@@ -18,9 +24,12 @@ checkpoint that is wrong.
 Retention counts back from the checkpoint just uploaded (verified byte for byte on its way up): it
 keeps that one and the ``keep - 1`` complete ones before it, and deletes older ones, manifest first,
 then data, so a crash half-way leaves an incomplete (ignored) checkpoint, never a complete one with
-missing files. A complete checkpoint *newer* than the one just uploaded (another run's, or one that
-failed a reader's verification and could not be set aside) is neither counted nor deleted, so it can
-never push good work out. Incomplete leftovers older than the one just uploaded (uploads that died)
+missing files. Only a checkpoint whose manifest reads, parses and is for its own step counts (one GET
+of each manifest up to the one just uploaded): one whose manifest does not (garbage, another step's, a
+newer format's) is neither counted, so it can never push good work out, nor deleted, with a warning.
+A complete checkpoint *newer* than the one just uploaded (another run's, or one that failed a
+reader's verification and could not be set aside) is neither counted nor deleted, so it can never
+push good work out. Incomplete leftovers older than the one just uploaded (uploads that died)
 are deleted too; newer ones are kept because a resumed upload continues them.
 
 Multi-node (no shared volume): each node commits its own part of a checkpoint locally, with
@@ -45,6 +54,7 @@ import contextlib
 import json
 import logging
 import shutil
+import stat
 import threading
 import time
 from collections.abc import Collection, Iterator, Sequence
@@ -52,7 +62,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from uploader.destination import Destination, local_writes
-from uploader.exceptions import CorruptCheckpoint, LocalWriteError, ManifestError, StorageError, UnsupportedFormat
+from uploader.exceptions import (
+    CorruptCheckpoint,
+    LocalCheckpointError,
+    LocalCorruptCheckpoint,
+    LocalUnsupportedFormat,
+    LocalWriteError,
+    ManifestError,
+    StorageError,
+    UnsupportedFormat,
+)
 from uploader.hashing import tagged
 from uploader.layout import (
     LATEST_KEY,
@@ -73,7 +92,8 @@ from uploader.local import (
     set_aside,
     staging_dir,
 )
-from uploader.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, FileEntry, Manifest, node_part, open_regular
+from uploader.manifest import (MANIFEST_NAME, MAX_MANIFEST_BYTES, FileEntry, Manifest, lstat_inside, node_part,
+                               open_regular)
 from uploader.progress import Progress, human_bytes
 from uploader.remote import ObjectInfo, Remote
 
@@ -116,9 +136,10 @@ def list_set_aside(remote: Remote) -> list[str]:
 def push(ckpt: LocalCheckpoint, remote: Remote, keep: int, *, abort: threading.Event | None = None) -> None:
     """Upload one committed local checkpoint (resuming a partial upload), then apply retention.
 
-    Raises CorruptCheckpoint if a local file no longer matches the manifest (or vanished: the job's
+    Raises LocalCorruptCheckpoint if a local file no longer matches the manifest (or vanished: the job's
     local pruning can remove a checkpoint while it is being uploaded); the remote is then left with
-    an incomplete checkpoint that is never used.
+    an incomplete checkpoint that is never used. Raises UnsupportedFormat or CorruptCheckpoint, having
+    changed nothing, when the remote's manifest of this step must not be replaced (module docstring).
     """
     _check_keep(keep)
     _upload(ckpt, remote, abort)
@@ -130,7 +151,8 @@ def push_all(folder: Path, remote: Remote, keep: int, *, abort: threading.Event 
     """Upload the newest ``keep`` committed local checkpoints that are not complete remotely, oldest
     first, then apply retention once, counting back from the newest of them now complete remotely.
     A local checkpoint that does not match its manifest is set aside (uploader.local.set_aside) with a
-    warning and the next older one takes its place. Returns the steps uploaded."""
+    warning and the next older one takes its place; a remote step that must not be replaced stops the
+    sync (module docstring). Returns the steps uploaded."""
     _check_keep(keep)
     pushed: list[int] = []
     anchor: int | None = None
@@ -142,7 +164,7 @@ def push_all(folder: Path, remote: Remote, keep: int, *, abort: threading.Event 
             try:
                 if _upload(ckpt, remote, abort):
                     pushed.append(ckpt.step)
-            except (CorruptCheckpoint, ManifestError) as e:
+            except LocalCheckpointError as e:
                 set_aside_local(ckpt, e)
                 failed += 1
                 continue
@@ -155,9 +177,10 @@ def push_all(folder: Path, remote: Remote, keep: int, *, abort: threading.Event 
     return sorted(pushed)
 
 
-def set_aside_local(ckpt: LocalCheckpoint, error: Exception) -> None:
+def set_aside_local(ckpt: LocalCheckpoint, error: LocalCheckpointError) -> None:
     """A local checkpoint that failed to upload because it does not verify: set it aside, unless it
-    is being pruned (its manifest gone: the job's retention got there first)."""
+    is being pruned (its manifest gone: the job's retention got there first) or a newer build wrote it.
+    Only for LocalCheckpointError: a failure of the remote is never the local checkpoint's."""
     if (ckpt.path / MANIFEST_NAME).is_file() and not isinstance(error, UnsupportedFormat):
         set_aside(ckpt, str(error))
     else:
@@ -245,9 +268,11 @@ def _upload(ckpt: LocalCheckpoint, remote: Remote, abort: threading.Event | None
     raw, manifest = _local_manifest(ckpt)
     part = node_part(manifest)
     marker = manifest_key(ckpt.name) if part is None else node_key(ckpt.name, *part)
-    existing_raw = remote.read_bytes(marker, limit=MAX_MANIFEST_BYTES)
+    existing_raw, existing = _replaceable(remote, ckpt.name, marker)
+    # A node's part: the whole checkpoint's manifest too, which this upload may delete or (committing) replace.
+    whole = None if part is None else _replaceable(remote, ckpt.name, manifest_key(ckpt.name))[1]
     if existing_raw is not None:
-        if _parse_or_none(existing_raw) == manifest:
+        if existing == manifest:
             logger.debug("%s is already on %s", marker, remote.url)
             if part is not None:  # the node that came last may have died before committing
                 _commit_parts(remote, ckpt.name, manifest)
@@ -256,10 +281,8 @@ def _upload(ckpt: LocalCheckpoint, remote: Remote, abort: threading.Event | None
         # incomplete before touching its files, so nobody pulls a mix of the two.
         logger.info("replacing the different remote %s on %s", marker, remote.url)
         remote.delete([manifest_key(ckpt.name)] + ([marker] if part is not None else []))
-    elif part is not None:
-        whole = _parse_or_none(remote.read_bytes(manifest_key(ckpt.name), limit=MAX_MANIFEST_BYTES) or b"")
-        if whole is not None and whole.meta.get("save_id") != manifest.meta.get("save_id"):
-            remote.delete([manifest_key(ckpt.name)])  # another save's commit: never a mix of two saves
+    elif whole is not None and whole.meta.get("save_id") != manifest.meta.get("save_id"):
+        remote.delete([manifest_key(ckpt.name)])  # another save's commit: never a mix of two saves
     progress = Progress(f"upload {ckpt.name}", manifest.total_size)
     skipped = 0
     for entry in manifest.files:
@@ -269,8 +292,7 @@ def _upload(ckpt: LocalCheckpoint, remote: Remote, abort: threading.Event | None
             skipped += 1
             progress.add(entry.size)
             continue
-        remote.put_file(key, ckpt.path / entry.path, size=entry.size, digest=entry.digest,
-                        algorithm=entry.algorithm, block_size=entry.block_size, on_bytes=progress.add, abort=abort)
+        _put_file(remote, key, ckpt, entry, progress, abort)
     remote.write_bytes(marker, raw)
     progress.close()
     logger.info("uploaded %s to %s (%d files, %d bytes%s)", marker if part else ckpt.name, remote.url,
@@ -280,15 +302,67 @@ def _upload(ckpt: LocalCheckpoint, remote: Remote, abort: threading.Event | None
     return True
 
 
+def _replaceable(remote: Remote, name: str, key: str) -> tuple[bytes | None, Manifest | None]:
+    """The remote manifest at ``key`` that an upload of checkpoint ``name`` would replace: its bytes (None if
+    there is none) and what they parse to (None for damage, replaced like a different save).
+
+    Raises, before the upload deletes or writes anything, for what must stay as it is: a newer spot-trainer's
+    manifest (UnsupportedFormat, as a pull words it), and a key the remote cannot read as an object
+    (CorruptCheckpoint of the remote: file:// refuses to delete or write through what is there)."""
+    try:
+        raw = remote.read_bytes(key, limit=MAX_MANIFEST_BYTES)
+    except CorruptCheckpoint as e:
+        raise CorruptCheckpoint(f"cannot upload {name} to {remote.url}: {e}; remove that entry from the remote, "
+                                "then upload again (the local checkpoint is kept as it is)") from None
+    try:
+        return raw, None if raw is None else Manifest.from_json(raw)
+    except UnsupportedFormat as e:
+        raise _newer_format(remote, name, e) from None
+    except ManifestError:
+        return raw, None
+
+
+def _put_file(remote: Remote, key: str, ckpt: LocalCheckpoint, entry: FileEntry, progress: Progress,
+              abort: threading.Event | None) -> None:
+    """One data file up. put_file's CorruptCheckpoint is about the local file (unreadable, or not what the
+    manifest says: Remote.put_file), so it is the local checkpoint's fault.
+
+    The file must be a regular one of the manifest's size, reached without a symbolic link: a link
+    planted in a checkpoint folder sent whatever it named to the bucket (a file elsewhere on the node,
+    or /dev/zero without end), and a sparse file of 50 GB was read whole before its digest refused it."""
+    path = ckpt.path / entry.path
+    try:
+        st = lstat_inside(ckpt.path, entry.path)
+    except OSError as e:
+        raise LocalCorruptCheckpoint(f"cannot read {path}: {e.strerror or e}") from None
+    if not stat.S_ISREG(st.st_mode) or st.st_size != entry.size:
+        what = f"{st.st_size} bytes" if stat.S_ISREG(st.st_mode) else "not a regular file"
+        raise LocalCorruptCheckpoint(f"{path} is {what}, the manifest says a file of {entry.size} bytes; "
+                                     "not uploading it")
+    try:
+        remote.put_file(key, path, size=entry.size, digest=entry.digest, algorithm=entry.algorithm,
+                        block_size=entry.block_size, on_bytes=progress.add, abort=abort)
+    except CorruptCheckpoint as e:
+        raise LocalCorruptCheckpoint(str(e)) from None
+
+
 def _local_manifest(ckpt: LocalCheckpoint) -> tuple[bytes, Manifest]:
+    """The manifest of the local checkpoint to upload, raw and parsed (its node fields checked too);
+    LocalCheckpointError if it cannot be used."""
     try:
         with open_regular(ckpt.path / MANIFEST_NAME) as f:
             raw = f.read(MAX_MANIFEST_BYTES + 1)
     except OSError as e:
-        raise CorruptCheckpoint(f"{ckpt.path}: cannot read its manifest ({e.strerror or e})") from None
-    manifest = Manifest.from_json(raw)
+        raise LocalCorruptCheckpoint(f"{ckpt.path}: cannot read its manifest ({e.strerror or e})") from None
+    try:
+        manifest = Manifest.from_json(raw)
+        node_part(manifest)
+    except UnsupportedFormat as e:
+        raise LocalUnsupportedFormat(str(e)) from None
+    except ManifestError as e:
+        raise LocalCorruptCheckpoint(str(e)) from None
     if manifest.step != ckpt.step:
-        raise CorruptCheckpoint(f"{ckpt.path}: its manifest is for step {manifest.step}")
+        raise LocalCorruptCheckpoint(f"{ckpt.path}: its manifest is for step {manifest.step}")
     return raw, manifest
 
 
@@ -358,7 +432,7 @@ def _after_commit(remote: Remote, keep: int, newest: int) -> None:
     go, counting back from it (module docstring)."""
     scan = _scan(remote)
     summaries = [_summarize(name, objects) for name, objects in scan.items()]
-    complete = [c for c in summaries if c.complete and c.step <= newest]
+    complete = [c for c in summaries if c.complete and c.step <= newest and _counted(remote, c)]
     if not complete or complete[-1].step != newest:
         logger.info("retention waits: %s is not complete on %s", checkpoint_name(newest), remote.url)
         return
@@ -378,6 +452,29 @@ def _after_commit(remote: Remote, keep: int, newest: int) -> None:
         logger.info("retention: deleted %s %s from %s (keeping %d up to %s)",
                     "complete" if ckpt.complete else "incomplete", ckpt.name, remote.url, keep,
                     checkpoint_name(newest))
+
+
+def _counted(remote: Remote, ckpt: RemoteCheckpoint) -> bool:
+    """Whether retention may count, and so delete, a listed complete checkpoint (module docstring): a manifest
+    listed is not yet a checkpoint. One that is not is left alone, with a warning."""
+    problem = _unusable(remote, ckpt)
+    if problem is not None:
+        logger.warning("retention: %s on %s is neither counted nor deleted: %s; delete it by hand once inspected",
+                       ckpt.name, remote.url, problem)
+    return problem is None
+
+
+def _unusable(remote: Remote, ckpt: RemoteCheckpoint) -> str | None:
+    """Why the manifest of a listed checkpoint does not make one (it must read, parse, and be for its own
+    step); None if it does."""
+    try:
+        raw = remote.read_bytes(manifest_key(ckpt.name), limit=MAX_MANIFEST_BYTES)
+        manifest = None if raw is None else Manifest.from_json(raw)
+    except (CorruptCheckpoint, ManifestError) as e:
+        return str(e)
+    if manifest is None:
+        return "its manifest disappeared"
+    return None if manifest.step == ckpt.step else f"its manifest is for step {manifest.step}"
 
 
 def _set_aside_remote(remote: Remote, name: str, raw: bytes | None, reason: str) -> None:
@@ -434,6 +531,11 @@ def _parse_or_none(raw: bytes) -> Manifest | None:
         return None
 
 
+def _newer_format(remote: Remote, name: str, e: UnsupportedFormat) -> UnsupportedFormat:
+    """A remote checkpoint a newer spot-trainer wrote, refused (exit 6) in the same words by pulls and uploads."""
+    return UnsupportedFormat(f"{remote.url}/{name}: {e}")
+
+
 def _remote_manifest(remote: Remote, ckpt: RemoteCheckpoint, raw: bytes | None) -> Manifest | None:
     """The parsed manifest (``raw``) of a complete remote checkpoint; None (with a warning) if unusable;
     UnsupportedFormat if a newer spot-trainer wrote it."""
@@ -443,7 +545,7 @@ def _remote_manifest(remote: Remote, ckpt: RemoteCheckpoint, raw: bytes | None) 
     try:
         manifest = Manifest.from_json(raw)
     except UnsupportedFormat as e:
-        raise UnsupportedFormat(f"{remote.url}/{ckpt.name}: {e}") from None
+        raise _newer_format(remote, ckpt.name, e) from None
     except ManifestError as e:
         logger.warning("skipping remote %s: %s", ckpt.name, e)
         return None

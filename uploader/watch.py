@@ -4,7 +4,10 @@ Only the newest committed checkpoint matters after a preemption, so when several
 during one upload the older ones are skipped. Storage outages are ridden out: an upload that gives
 up (TransientStorageError) is tried again on the next poll and resumes where it stopped. Wrong
 credentials or a missing bucket end the loop at once (they will not fix themselves); credentials
-that may read but not write are found before the first checkpoint, by uploader.probe.
+that may read but not write are found before the first checkpoint, by uploader.probe. So does a
+remote step that an upload must not replace (a newer build's, or an entry that is not an object:
+uploader.sync), exit 6: the local checkpoint is left as it is. Only a local checkpoint that fails its
+own checks (LocalCheckpointError) is set aside, and the watch goes on with the next one.
 
 It ends by itself, FINISHED, once the job has marked the folder finished (uploader.local.mark_finished)
 after this watch started, and that step is uploaded. A marker older than the watch is left over from
@@ -28,7 +31,7 @@ import time
 from pathlib import Path
 
 from uploader.config import UploadConfig
-from uploader.exceptions import Aborted, CorruptCheckpoint, ManifestError, TransientStorageError
+from uploader.exceptions import Aborted, LocalCheckpointError, TransientStorageError
 from uploader.local import LocalCheckpoint, finished_marker, list_committed
 from uploader.manifest import MANIFEST_NAME
 from uploader.probe import check_writable
@@ -102,7 +105,7 @@ def _loop(
             ckpt, identity = pending
             try:
                 push(ckpt, remote, keep, abort=abort)
-            except (CorruptCheckpoint, ManifestError) as e:
+            except LocalCheckpointError as e:
                 set_aside_local(ckpt, e)  # never uploaded, counted or chosen again
                 given_up.add(identity)
                 continue

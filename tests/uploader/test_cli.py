@@ -4,14 +4,19 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests.support.checkpoints import corrupt_file, data_files_of, make_checkpoint
+from tests.support.checkpoints import checkpoints_of, corrupt_file, data_files_of, files_of, make_checkpoint
 from tests.support.disk import FILE_TOO_LARGE, limit_file_size, pull_refused
 from tests.support.s3server import ADMIN, Bucket, isolated_aws_env
 from tests.support.uploader_cli import cli_env, run_cli
+from uploader.filesystem import FileRemote
+from uploader.local import LocalCheckpoint
+from uploader.manifest import MANIFEST_NAME
+from uploader.sync import push
 
 
 @pytest.mark.s3
@@ -85,8 +90,12 @@ def test_pull_onto_a_full_disk_exits_7_with_one_line_and_changes_nothing(tmp_pat
         (["--addressing", "sideways", "ls", "file:///tmp/x"], "sideways"),
         (["--endpoint-url", "127.0.0.1:9000", "ls", "s3://bucket/x"], "endpoint_url"),
         (["sync", "/nonexistent/spot-trainer-checkpoints", "file:///tmp/x"], "does not exist"),
+        (["watch", "--poll-interval", "nan", "/tmp", "file:///tmp/x"], "'nan' is not a number of seconds"),
+        (["watch", "--grace", "nan", "/tmp", "file:///tmp/x"], "--grace"),
+        (["--connect-timeout", "1e308", "ls", "file:///tmp/x"], "--connect-timeout"),
     ],
-    ids=["scheme", "relative-file-url", "part-size", "addressing", "endpoint-without-scheme", "sync-missing-local"],
+    ids=["scheme", "relative-file-url", "part-size", "addressing", "endpoint-without-scheme", "sync-missing-local",
+         "poll-interval-nan", "grace-nan", "timeout-beyond-a-wait"],
 )
 def test_usage_errors_exit_2(args: list[str], says: str) -> None:
     result = run_cli(args, isolated_aws_env(ADMIN))
@@ -94,6 +103,45 @@ def test_usage_errors_exit_2(args: list[str], says: str) -> None:
     assert result.returncode == 2
     [line] = result.stderr.strip().splitlines()  # one line, as every other error: not click's Usage/Try/Error
     assert line.startswith("uploader: error: ") and says in line and line.endswith(" --help')")
+
+
+def _folder_as_manifest(remote_dir: Path, ckpt: LocalCheckpoint) -> None:
+    (remote_dir / ckpt.name / MANIFEST_NAME).mkdir(parents=True)
+
+
+def _newer_format(remote_dir: Path, ckpt: LocalCheckpoint) -> None:
+    push(ckpt, FileRemote(remote_dir), keep=3)
+    manifest = remote_dir / ckpt.name / MANIFEST_NAME
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "format_version": 4}))
+
+
+# Remote steps an upload must not replace, with what the error line says.
+NOT_REPLACED: dict[str, tuple[Callable[[Path, LocalCheckpoint], None], str]] = {
+    "folder-as-manifest": (_folder_as_manifest, "step-000000000020/manifest.json is not a regular file"),
+    "newer-format": (_newer_format, "step-000000000020: manifest format_version 4 is not supported (this build "
+                                    "reads [1, 2, 3]); upgrade spot-trainer"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(NOT_REPLACED))
+def test_sync_exits_6_with_one_line_on_a_remote_step_it_must_not_replace_and_changes_nothing(
+    tmp_path: Path, damage: str
+) -> None:
+    """Review B, 01 and 05: sync set the good local step aside (a folder in the remote), or replaced a newer
+    build's checkpoint with this build's (as `pull` refuses it: exit 6); both exited 0."""
+    remote_dir, local = tmp_path / "remote", tmp_path / "local"
+    make_checkpoint(local, 10)
+    newest = make_checkpoint(local, 20)
+    make, says = NOT_REPLACED[damage]
+    make(remote_dir, newest)
+    before = (checkpoints_of(local), files_of(remote_dir / newest.name))
+
+    result = run_cli(["sync", str(local), f"file://{remote_dir}"], isolated_aws_env(ADMIN))
+
+    assert result.returncode == 6, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("uploader: error: ") and says in last, last
+    assert (checkpoints_of(local), files_of(remote_dir / newest.name)) == before
 
 
 def test_sync_to_a_folder_this_user_may_not_write_exits_3(tmp_path: Path, immutable_folder: Path) -> None:

@@ -5,16 +5,17 @@ sidecar or in-process thread would, on a folder (file://) and on SeaweedFS.
 """
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 
 import pytest
 
-from tests.support.checkpoints import complete_steps, data_files_of, make_checkpoint
+from tests.support.checkpoints import complete_steps, data_files_of, make_checkpoint, objects_of
 from tests.support.recording import RecordingRemote
 from uploader.layout import manifest_key, node_key
 from uploader.local import LocalCheckpoint, checkpoint_name
-from uploader.exceptions import CorruptCheckpoint, ManifestError
+from uploader.exceptions import CorruptCheckpoint, ManifestError, UnsupportedFormat
 from uploader.manifest import Manifest
 from uploader.remote import Remote
 from uploader.sync import list_remote, list_set_aside, pull_files, pull_newest, push, set_aside_if_unchanged
@@ -130,6 +131,23 @@ def test_only_node_0_deletes_and_only_after_a_newer_checkpoint_is_complete(remot
     push(part(tmp_path, 0, 30), remote, keep=1)  # node 0's next look: now 20 may go
     assert complete_steps(remote) == [30]
     assert {c.step for c in list_remote(remote)} == {30}
+
+
+@pytest.mark.parametrize("newer", ["whole", "own-part"])
+def test_a_node_never_replaces_a_newer_format_commit_or_part(remote: Remote, tmp_path: Path, newer: str) -> None:
+    """A newer build's step 10 (its whole manifest, or this node's part) is refused, as a pull refuses it, before
+    this build's re-save of step 10 deletes, overwrites or commits anything there."""
+    name = checkpoint_name(10)
+    for node in range(NODES):
+        push(part(tmp_path, node, 10), remote, keep=3)
+    key = manifest_key(name) if newer == "whole" else node_key(name, 0, NODES)
+    remote.write_bytes(key, json.dumps({**json.loads(remote.read_bytes(key) or b""), "format_version": 99}).encode())
+    before = objects_of(remote, name)
+
+    with pytest.raises(UnsupportedFormat, match=f"{name}: manifest format_version 99 .*upgrade spot-trainer"):
+        push(part(tmp_path, 0, 10, save_id="second"), remote, keep=3)
+
+    assert objects_of(remote, name) == before
 
 
 @pytest.mark.parametrize("meta", [{"node": 1, "nodes": 2}, {"node": 2, "nodes": 2, "save_id": "s"},

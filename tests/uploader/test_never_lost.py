@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import threading
 from collections.abc import Callable
@@ -15,11 +16,19 @@ from typing import Any
 
 import pytest
 
-from tests.support.checkpoints import complete_steps, corrupt_file, data_files_of, files_of, make_checkpoint
+from tests.support.checkpoints import (
+    checkpoints_of,
+    complete_steps,
+    corrupt_file,
+    data_files_of,
+    files_of,
+    make_checkpoint,
+)
 from uploader.exceptions import BucketNotFound, CorruptCheckpoint, ManifestError, StorageError
 from uploader.filesystem import FileRemote
 from uploader.layout import data_key, manifest_key
 from uploader.local import (
+    LocalCheckpoint,
     checkpoint_name,
     clean_staging,
     list_committed,
@@ -30,7 +39,7 @@ from uploader.local import (
 )
 from uploader.manifest import MAX_MANIFEST_BYTES, MANIFEST_NAME, Manifest
 from uploader.remote import Remote
-from uploader.sync import list_remote, list_set_aside as remote_set_aside, pull_newest, push
+from uploader.sync import list_remote, list_set_aside as remote_set_aside, pull_newest, push, push_all
 
 # -- 1. retention never deletes good work ---------------------------------------------------------
 
@@ -99,13 +108,64 @@ def test_remote_retention_never_deletes_for_a_newer_checkpoint_it_did_not_write(
     assert complete_steps(remote) == [48, 52, 64]
 
 
+# Manifests that are there but do not make a checkpoint, each made from a good one's document.
+UNUSABLE: dict[str, Callable[[dict[str, Any]], bytes]] = {
+    "not-json": lambda doc: b"not json",
+    "another-step": lambda doc: json.dumps({**doc, "step": doc["step"] - 1}).encode(),
+    "newer-format": lambda doc: json.dumps({**doc, "format_version": 99}).encode(),
+}
+
+
+def _unusable_manifest(ckpt: LocalCheckpoint, name: str) -> bytes:
+    return UNUSABLE[name](json.loads(ckpt.manifest().to_json()))
+
+
+@pytest.mark.parametrize("name", sorted(UNUSABLE))
+def test_remote_retention_counts_and_deletes_only_checkpoints_whose_manifest_parses(
+    remote: Remote, local: Path, name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Review B, 04: good 2 and 4 and an unusable 5 in the bucket; --keep 2 after uploading 6 used to delete
+    2 and 4, keeping 5 and 6. A manifest that does not parse (or is another step's) is no checkpoint."""
+    for step in (2, 4):
+        push(make_checkpoint(local, step), remote, keep=5)
+    garbage = _with_manifest(remote, local, 5, lambda ckpt: _unusable_manifest(ckpt, name))
+
+    with caplog.at_level(logging.WARNING, logger="uploader.sync"):
+        push(make_checkpoint(local, 6), remote, keep=2)
+
+    assert complete_steps(remote) == [4, 5, 6]
+    assert remote.read_bytes(manifest_key(checkpoint_name(5))) == garbage  # neither counted nor deleted
+    assert f"retention: {checkpoint_name(5)} on {remote.url} is neither counted nor deleted" in caplog.text
+
+
+@pytest.mark.parametrize("name", sorted(UNUSABLE))
+def test_local_retention_counts_and_deletes_only_checkpoints_whose_manifest_parses(
+    tmp_path: Path, name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    folder = tmp_path / "ckpts"
+    ckpts = {step: make_checkpoint(folder, step) for step in (2, 4, 5, 6)}
+    (ckpts[5].path / MANIFEST_NAME).write_bytes(_unusable_manifest(ckpts[5], name))
+
+    with caplog.at_level(logging.WARNING, logger="uploader.local"):
+        removed = prune(folder, keep=2, newest=6)
+
+    assert removed == [ckpts[2].path]
+    assert [c.step for c in list_committed(folder)] == [4, 5, 6]
+    assert f"retention: {ckpts[5].path} is neither counted nor deleted" in caplog.text
+
+
 # -- 3. bounded work for any manifest -------------------------------------------------------------
 
 
-def _with_manifest(remote: Remote, local: Path, step: int, raw: bytes) -> None:
-    """Upload a good checkpoint of ``step``, then replace its manifest with ``raw``."""
-    push(make_checkpoint(local, step), remote, keep=5)
-    remote.write_bytes(manifest_key(checkpoint_name(step)), raw)
+def _with_manifest(remote: Remote, local: Path, step: int,
+                   raw: bytes | Callable[[LocalCheckpoint], bytes]) -> bytes:
+    """Upload a good checkpoint of ``step``, then replace its manifest with ``raw`` (or what it makes of the
+    checkpoint); returns the bytes written."""
+    ckpt = make_checkpoint(local, step)
+    push(ckpt, remote, keep=5)
+    data = raw if isinstance(raw, bytes) else raw(ckpt)
+    remote.write_bytes(manifest_key(ckpt.name), data)
+    return data
 
 
 def test_an_oversized_manifest_is_read_no_further_than_the_cap(remote: Remote, local: Path, restore: Path) -> None:
@@ -295,6 +355,103 @@ def test_file_remote_retention_never_deletes_through_a_linked_folder(tmp_path: P
     assert complete_steps(remote) == [20] and files_of(other_run.path) == before
     with pytest.raises(CorruptCheckpoint, match="not a regular file"):
         remote.read_bytes(manifest_key(checkpoint_name(1)))
+
+
+def _folder_as_manifest(root: Path, name: str) -> None:
+    (root / name / MANIFEST_NAME).mkdir(parents=True)
+
+
+def _fifo_as_manifest(root: Path, name: str) -> None:
+    (root / name).mkdir(parents=True)
+    os.mkfifo(root / name / MANIFEST_NAME)
+
+
+def _link_as_checkpoint(root: Path, name: str) -> None:
+    root.mkdir(parents=True)
+    (root / name).symlink_to(make_checkpoint(root.parent / "other-run", 4).path, target_is_directory=True)
+
+
+def _file_as_checkpoint(root: Path, name: str) -> None:
+    root.mkdir(parents=True)
+    (root / name).write_text("not a folder")
+
+
+# What a hostile user can put where a file:// remote keeps a checkpoint's manifest: never an object.
+NOT_AN_OBJECT: dict[str, Callable[[Path, str], None]] = {
+    "folder-as-manifest": _folder_as_manifest,
+    "fifo-as-manifest": _fifo_as_manifest,
+    "link-as-checkpoint": _link_as_checkpoint,
+    "file-as-checkpoint": _file_as_checkpoint,
+}
+
+
+@pytest.mark.parametrize("entry", sorted(NOT_AN_OBJECT))
+def test_a_remote_entry_that_is_not_an_object_never_sets_the_good_local_checkpoint_aside(
+    tmp_path: Path, local: Path, entry: str
+) -> None:
+    """Review B, 01: a folder where the remote manifest of step 4 goes made `sync` set the good local step 4
+    aside and exit 0. The damage is the remote's: the upload stops, naming it, and nothing local changes."""
+    root = tmp_path / "remote"
+    remote = FileRemote(root)
+    for step in (2, 4):
+        make_checkpoint(local, step)
+    before = checkpoints_of(local)
+    NOT_AN_OBJECT[entry](root, checkpoint_name(4))
+    outside = files_of(tmp_path / "other-run")  # where the link leads, if there is one
+
+    with pytest.raises(CorruptCheckpoint, match=f"cannot upload {checkpoint_name(4)} to {remote.url}: .*"
+                                                f"{checkpoint_name(4)}/{MANIFEST_NAME} is not a regular file.*remove"):
+        push_all(local, remote, keep=3)
+
+    assert checkpoints_of(local) == before and list_set_aside(local) == []
+    assert complete_steps(remote) == [2] and os.path.lexists(root / checkpoint_name(4))
+    assert files_of(tmp_path / "other-run") == outside  # nothing written through the link
+
+
+@pytest.mark.parametrize("name", ["not-json", "another-step"])
+def test_an_unusable_remote_manifest_of_the_step_being_uploaded_is_replaced_never_a_reason_to_set_local_aside(
+    remote: Remote, local: Path, name: str
+) -> None:
+    """The same rule on S3 and file://: only a local checkpoint that fails its own verification is set aside."""
+    _with_manifest(remote, local, 4, lambda ckpt: _unusable_manifest(ckpt, name))
+    (ckpt,) = list_committed(local)
+
+    assert push_all(local, remote, keep=3) == [4]
+
+    assert list_committed(local) == [ckpt] and list_set_aside(local) == []
+    assert Manifest.from_json(remote.read_bytes(manifest_key(ckpt.name)) or b"") == ckpt.manifest()
+
+
+def _linked_to_a_file_elsewhere(path: Path) -> None:
+    """A link to a file outside the checkpoint with the very bytes the manifest expects: it verifies."""
+    elsewhere = path.parent.parent.parent / "elsewhere.bin"
+    path.rename(elsewhere)
+    path.symlink_to(elsewhere)
+
+
+def _linked_to_dev_zero(path: Path) -> None:
+    path.unlink()
+    path.symlink_to("/dev/zero")
+
+
+def _sparse_50_gb(path: Path) -> None:
+    os.truncate(path, 50 * 1024 ** 3)
+
+
+@pytest.mark.parametrize("plant", [_linked_to_a_file_elsewhere, _linked_to_dev_zero, _sparse_50_gb],
+                         ids=["link-elsewhere", "link-to-dev-zero", "sparse-50GB"])
+def test_an_upload_reads_no_link_and_no_byte_past_the_manifest_size(remote: Remote, local: Path,
+                                                                   plant: Callable[[Path], None]) -> None:
+    """Review B, 02: a link planted in a checkpoint folder sent what it named to the bucket (a file
+    elsewhere on the node, committed; /dev/zero without end), and a sparse file was read whole."""
+    ckpt = make_checkpoint(local, 4)
+    plant(ckpt.path / "state.pt")
+
+    assert push_all(local, remote, keep=3) == []
+
+    (aside,) = list_set_aside(local)
+    assert list_committed(local) == [] and aside.name.startswith("corrupt-step-000000000004-")
+    assert complete_steps(remote) == [] and not [o for o in remote.list("") if o.size > 1_000_000]
 
 
 # -- 7. crash-consistent commits (the os._exit sweep is in tests/uploader/test_commit_crash.py) -------

@@ -21,6 +21,7 @@ from tests.support.checkpoints import (
     corrupt_file,
     data_files_of,
     make_checkpoint,
+    objects_of,
 )
 from tests.support.disk import NO_SPACE, fake_fallocate, fill_disk_after, pull_refused
 from tests.support.recording import RecordingRemote
@@ -387,6 +388,39 @@ def test_a_remote_checkpoint_of_a_newer_format_is_refused_not_skipped(remote: Re
             look()
     assert list_committed(restore) == []
     assert complete_steps(remote) == [100, 200]
+
+
+def test_an_upload_never_replaces_a_remote_checkpoint_of_a_newer_format(remote: Remote, local: Path) -> None:
+    """Review B, 05: `pull` refused it, but `sync` deleted its manifest and put this build's in its place. Refused
+    as a pull refuses it, before anything remote is deleted or written, and the local checkpoint is kept."""
+    newest = push_two(remote, local)
+    rewrite_manifest(remote, newest, lambda doc: doc.update(format_version=99))
+    before = objects_of(remote, newest.name)
+
+    refused = f"{remote.url}/{newest.name}: manifest format_version 99 .*upgrade spot-trainer"
+    for upload in (lambda: push(newest, remote, keep=1), lambda: push_all(local, remote, keep=1)):
+        with pytest.raises(UnsupportedFormat, match=refused):
+            upload()
+
+    assert objects_of(remote, newest.name) == before
+    assert complete_steps(remote) == [100, 200]
+    assert [c.step for c in list_committed(local)] == [100, 200] and list_set_aside(local) == []
+
+
+def test_a_local_checkpoint_of_a_newer_format_is_skipped_by_uploads_never_set_aside(
+    remote: Remote, local: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    make_checkpoint(local, 100)
+    newest = make_checkpoint(local, 200)
+    manifest = newest.path / "manifest.json"
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "format_version": 99}))
+
+    with caplog.at_level(logging.WARNING, logger="uploader.sync"):
+        assert push_all(local, remote, keep=3) == [100]
+
+    assert f"skipping local {newest.name}: " in caplog.text and "upgrade spot-trainer" in caplog.text
+    assert [c.step for c in list_committed(local)] == [100, 200] and list_set_aside(local) == []
+    assert complete_steps(remote) == [100]
 
 
 def test_a_local_checkpoint_of_a_newer_format_is_refused_not_skipped(local: Path) -> None:

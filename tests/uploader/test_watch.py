@@ -18,9 +18,10 @@ from tests.support.polling import wait_until
 from tests.support.s3server import READER, Bucket, SeaweedFS, fast_config
 from tests.support.uploader_cli import cli_env, run_cli, uploader_command
 from uploader.config import UploadConfig
-from uploader.exceptions import Aborted
+from uploader.exceptions import Aborted, CorruptCheckpoint
 from uploader.layout import data_key
-from uploader.local import checkpoint_name, mark_finished
+from uploader.local import checkpoint_name, list_committed, list_set_aside, mark_finished
+from uploader.manifest import MANIFEST_NAME
 from uploader.remote import Remote, open_remote
 from uploader.sync import pull_newest
 from uploader.watch import WatchOutcome, watch
@@ -125,6 +126,21 @@ def test_a_finished_marker_left_by_an_earlier_run_does_not_end_the_watch(
     mark_finished(local, 2)
     assert outcome.result(timeout=30) is WatchOutcome.FINISHED
     assert complete_steps(remote) == [1, 2]
+
+
+def test_a_remote_entry_that_is_not_an_object_ends_the_watch_and_sets_nothing_aside(
+    run_watch: StartWatch, tmp_path: Path, local: Path
+) -> None:
+    """Review B, 01: a folder where the remote manifest goes made the sidecar set the good local checkpoint
+    aside. It is the remote's damage, which no retry fixes: the watch ends with it (exit 6), local untouched."""
+    root = tmp_path / "remote"
+    ckpt = make_checkpoint(local, 4)
+    (root / ckpt.name / MANIFEST_NAME).mkdir(parents=True)
+    outcome, _ = run_watch(local, open_remote(f"file://{root}", fast_config()), fast_config(), grace=1)
+
+    with pytest.raises(CorruptCheckpoint, match=f"cannot upload {ckpt.name} .* is not a regular file"):
+        outcome.result(timeout=10)
+    assert list_committed(local) == [ckpt] and list_set_aside(local) == []
 
 
 @pytest.mark.s3
