@@ -166,7 +166,7 @@ class Manifest:
         if isinstance(version, bool) or version not in SUPPORTED_FORMAT_VERSIONS:  # JSON true == 1 in Python
             newer = type(version) is int and version > max(SUPPORTED_FORMAT_VERSIONS)
             raise (UnsupportedFormat if newer else ManifestError)(
-                f"manifest format_version {version!r} is not supported (this build reads "
+                f"manifest format_version {_short(version)} is not supported (this build reads "
                 f"{sorted(SUPPORTED_FORMAT_VERSIONS)}); upgrade spot-trainer"
             )
         if "files" not in doc or "step" not in doc:

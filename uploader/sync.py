@@ -51,7 +51,6 @@ read again, and a checkpoint whose manifest changed meanwhile (a re-save) is lef
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import shutil
 import stat
@@ -93,7 +92,7 @@ from uploader.local import (
     staging_dir,
 )
 from uploader.manifest import (MANIFEST_NAME, MAX_MANIFEST_BYTES, FileEntry, Manifest, lstat_inside, node_part,
-                               open_regular)
+                               open_regular, strict_json)
 from uploader.progress import Progress, human_bytes
 from uploader.remote import ObjectInfo, Remote
 
@@ -420,8 +419,10 @@ def _commit_parts(remote: Remote, name: str, mine: Manifest) -> bool:
 
 
 def _parse_latest(raw: bytes | None) -> int | None:
+    """The step a remote ``latest`` names; None for anything else (it is a hint, and untrusted: 2,100
+    nested brackets raised RecursionError through json.loads, exit 1)."""
     try:
-        step = json.loads(raw or b"")["step"]
+        step = strict_json(raw or b"")["step"]
     except (ValueError, KeyError, TypeError):
         return None
     return step if isinstance(step, int) and not isinstance(step, bool) else None

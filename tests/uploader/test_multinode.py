@@ -13,7 +13,7 @@ import pytest
 
 from tests.support.checkpoints import complete_steps, data_files_of, make_checkpoint, objects_of
 from tests.support.recording import RecordingRemote
-from uploader.layout import manifest_key, node_key
+from uploader.layout import LATEST_KEY, manifest_key, node_key
 from uploader.local import LocalCheckpoint, checkpoint_name
 from uploader.exceptions import CorruptCheckpoint, ManifestError, UnsupportedFormat
 from uploader.manifest import Manifest
@@ -59,6 +59,17 @@ def test_the_checkpoint_is_complete_only_once_every_node_has_uploaded(remote: Re
     assert data_files_of(pulled.path) == expected
     whole = pulled.manifest()
     assert "node" not in whole.meta and whole.meta["nodes"] == NODES and whole.meta["model"] == "mlp"
+
+
+@pytest.mark.parametrize("latest", [b"[" * 2100, b"not json", b'{"step": "10"}'], ids=["nested", "garbage", "str"])
+def test_a_malformed_latest_is_rewritten_by_the_commit(remote: Remote, tmp_path: Path, latest: bytes) -> None:
+    """``latest`` is a hint from the bucket, untrusted: 2,100 brackets raised RecursionError (exit 1)."""
+    remote.write_bytes(LATEST_KEY, latest)
+    push(part(tmp_path, 0, 10), remote, keep=3)
+    push(part(tmp_path, 1, 10), remote, keep=3)
+
+    assert complete_steps(remote) == [10]
+    assert json.loads(remote.read_bytes(LATEST_KEY) or b"")["step"] == 10
 
 
 def test_either_node_may_come_last_and_both_at_once_commit_the_same_bytes(remote: Remote, tmp_path: Path) -> None:
