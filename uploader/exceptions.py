@@ -53,6 +53,11 @@ class AuthError(StorageError):
     """Missing or wrong credentials, or the credentials may not access the bucket (403). Never retried."""
 
 
+class LocalAccessError(AuthError):
+    """A local checkpoint file or folder this process may not read (EACCES, EPERM): a matter of users and
+    modes, never of the checkpoint, which is left as it is (exit 3, as a remote that refuses access)."""
+
+
 class BucketNotFound(StorageError):
     """The bucket (or, for file://, the folder above the remote path) does not exist. Never retried."""
 

@@ -324,5 +324,18 @@ def _is_real_dir(path: Path) -> bool:
 def _is_regular(path: Path) -> bool:
     try:
         return stat.S_ISREG(os.lstat(path).st_mode)
+    except PermissionError as e:  # a checkpoint folder this user may not enter: say so, it is not uploaded
+        _warn_once(f"cannot read {path.parent}: {e.strerror}; it is skipped until this user may read it")
+        return False
     except OSError:
         return False
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """A warning a poll loop would otherwise repeat every few seconds."""
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning("%s", message)

@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,7 +17,7 @@ from tests.support.disk import FILE_TOO_LARGE, limit_file_size, pull_refused
 from tests.support.s3server import ADMIN, Bucket, isolated_aws_env
 from tests.support.uploader_cli import cli_env, run_cli
 from uploader.filesystem import FileRemote
-from uploader.local import LocalCheckpoint
+from uploader.local import LocalCheckpoint, list_committed, list_set_aside
 from uploader.manifest import MANIFEST_NAME
 from uploader.sync import push
 
@@ -121,6 +124,60 @@ NOT_REPLACED: dict[str, tuple[Callable[[Path, LocalCheckpoint], None], str]] = {
     "newer-format": (_newer_format, "step-000000000020: manifest format_version 4 is not supported (this build "
                                     "reads [1, 2, 3]); upgrade spot-trainer"),
 }
+
+
+NOBODY = 65534
+
+
+def _as_nobody(args: list[str]) -> list[str]:
+    """The uploader run by a user other than the files' owner, who may not read mode 000 (root may)."""
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("running as root without setpriv: no user here is refused a read")
+    return [setpriv, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable, "-m", "uploader",
+            *args]
+
+
+def _sync_unreadable(top: Path, unreadable: str) -> tuple[subprocess.CompletedProcess[str], LocalCheckpoint, Path]:
+    """``uploader sync`` of a checkpoint whose ``unreadable`` (a path in it; "" for the folder) is mode 000,
+    run by a user who does not own it; returns the run, the checkpoint and the remote folder."""
+    os.chmod(top, 0o755)  # pytest's own tmp_path is the owner's alone (0700)
+    local, remote_dir = top / "local", top / "remote"
+    ckpt = make_checkpoint(local, 4)
+    remote_dir.mkdir()
+    args = ["sync", str(local), f"file://{remote_dir}"]
+    if os.geteuid() == 0:
+        for path in [local, remote_dir, *local.rglob("*")]:
+            os.chown(path, NOBODY, NOBODY)
+    (ckpt.path / unreadable).chmod(0)
+    done = subprocess.run(_as_nobody(args) if os.geteuid() == 0 else [sys.executable, "-m", "uploader", *args],
+                          env=isolated_aws_env(ADMIN), capture_output=True, text=True, timeout=60)
+    (ckpt.path / unreadable).chmod(0o755)
+    return done, ckpt, remote_dir
+
+
+@pytest.mark.parametrize("unreadable", ["state.pt", MANIFEST_NAME])
+def test_a_checkpoint_this_user_may_not_read_is_exit_3_and_never_set_aside(unreadable: str) -> None:
+    """Review B, 06: a sidecar running as another user than the job set the good checkpoint aside as
+    corrupt; every later start then resumed the one before."""
+    with tempfile.TemporaryDirectory() as top:
+        done, ckpt, remote_dir = _sync_unreadable(Path(top), unreadable)
+
+        assert done.returncode == 3, done.stderr
+        [line] = done.stderr.strip().splitlines()
+        assert f"cannot read {ckpt.path / unreadable}" in line and "run the uploader as a user that may read" in line
+        assert list_committed(ckpt.path.parent) == [ckpt] and list_set_aside(ckpt.path.parent) == []
+        assert list(remote_dir.iterdir()) == []
+
+
+def test_a_checkpoint_folder_this_user_may_not_enter_is_named_in_a_warning() -> None:
+    """Review B, 07: it was skipped without a word, and its step never uploaded."""
+    with tempfile.TemporaryDirectory() as top:
+        done, ckpt, remote_dir = _sync_unreadable(Path(top), "")
+
+        assert done.returncode == 0, done.stderr
+        assert f"cannot read {ckpt.path}: Permission denied; it is skipped until this user may read it" in done.stderr
+        assert list(remote_dir.iterdir()) == []
 
 
 @pytest.mark.parametrize("damage", sorted(NOT_REPLACED))
