@@ -18,7 +18,8 @@ Exit codes:
     3  authentication or permission: missing or wrong credentials, access denied, a file:// folder this user may not write
     4  the bucket (for file://, the folder above the remote path) does not exist
     5  storage unreachable or failing after every retry (watch: grace period over before the upload ended)
-    6  no complete checkpoint found, or the checkpoint is corrupt
+    6  no complete checkpoint found, or the checkpoint is corrupt; or a remote entry an upload must not
+       replace (a newer build's checkpoint, something else in an object's place)
     7  pull: the local folder cannot take the download (disk full, quota, file size limit, read-only)
 
 Errors are one line on stderr, without a traceback (``--log-level debug`` logs it).
@@ -48,6 +49,7 @@ from uploader.exceptions import (
     LocalWriteError,
     ManifestError,
     NoCheckpointFound,
+    RemoteInTheWay,
     TransientStorageError,
     UploaderError,
 )
@@ -76,6 +78,7 @@ _EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
     (NoCheckpointFound, EXIT_NO_CHECKPOINT),
     (CorruptCheckpoint, EXIT_NO_CHECKPOINT),
     (ManifestError, EXIT_NO_CHECKPOINT),
+    (RemoteInTheWay, EXIT_NO_CHECKPOINT),
     (LocalWriteError, EXIT_LOCAL_WRITE),
 )
 

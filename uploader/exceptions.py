@@ -58,6 +58,11 @@ class LocalAccessError(AuthError):
     modes, never of the checkpoint, which is left as it is (exit 3, as a remote that refuses access)."""
 
 
+class RemoteInTheWay(StorageError):
+    """Something the upload did not write stands where it must write (file://: a folder where an object
+    goes): only a person should remove it (exit 6, as for a remote manifest that is not an object)."""
+
+
 class BucketNotFound(StorageError):
     """The bucket (or, for file://, the folder above the remote path) does not exist. Never retried."""
 

@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import BinaryIO
 
 from uploader.destination import Destination
-from uploader.exceptions import Aborted, AuthError, BucketNotFound, CorruptCheckpoint, StorageError
+from uploader.exceptions import (Aborted, AuthError, BucketNotFound, CorruptCheckpoint, RemoteInTheWay,
+                                 StorageError)
 from uploader.hashing import CHUNK, StreamDigest, fsync_path, tagged
 from uploader.manifest import open_regular
 from uploader.remote import ObjectInfo, OnBytes, file_location
@@ -255,6 +256,8 @@ class FileRemote:
 
 
 _DENIED = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
+# A folder, or a link, where an object goes (or a file where a folder goes).
+_IN_THE_WAY = frozenset({errno.EISDIR, errno.ENOTDIR, errno.EEXIST, errno.ENOTEMPTY, errno.ELOOP})
 
 
 def _unless_gone(e: OSError) -> None:
@@ -266,10 +269,14 @@ def _unless_gone(e: OSError) -> None:
 
 
 def _refused(what: str, e: OSError) -> StorageError:
-    """``what`` failed: a permission problem (AuthError, exit 3) or any other (StorageError)."""
+    """``what`` failed: a permission problem (AuthError, exit 3), something in the way (RemoteInTheWay,
+    exit 6; it was exit 1, "a bug", and a sidecar's crash loop) or any other (StorageError)."""
     if e.errno in _DENIED:
         return AuthError(f"{what}: {e.strerror}; this user (uid {os.getuid()}) needs to read and write there, "
                          "on a volume mounted read-write")
+    if e.errno in _IN_THE_WAY:
+        return RemoteInTheWay(f"{what}: {e.strerror}; something this uploader did not write is in its place: "
+                              "remove it from the remote, then upload again (nothing local is changed)")
     return StorageError(f"{what}: {e.strerror}")
 
 

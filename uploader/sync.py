@@ -69,6 +69,7 @@ from uploader.exceptions import (
     LocalUnsupportedFormat,
     LocalWriteError,
     ManifestError,
+    RemoteInTheWay,
     StorageError,
     UnsupportedFormat,
 )
@@ -428,20 +429,29 @@ def _commit_parts(remote: Remote, name: str, mine: Manifest) -> bool:
     if remote.read_bytes(manifest_key(name), limit=MAX_MANIFEST_BYTES) != raw:
         remote.write_bytes(manifest_key(name), raw)
         logger.info("committed %s on %s: all %d nodes' parts are uploaded", name, remote.url, node_count)
-    latest = _parse_latest(remote.read_bytes(LATEST_KEY, limit=4096))
+    latest = _latest_step(remote)
     if latest is None or latest < mine.step:
-        remote.write_bytes(LATEST_KEY, latest_document(mine.step))
+        _point_latest(remote, mine.step)
     return True
 
 
-def _parse_latest(raw: bytes | None) -> int | None:
-    """The step a remote ``latest`` names; None for anything else (it is a hint, and untrusted: 2,100
+def _latest_step(remote: Remote) -> int | None:
+    """The step the remote's ``latest`` names; None for anything else (it is a hint, and untrusted: 2,100
     nested brackets raised RecursionError through json.loads, exit 1)."""
     try:
-        step = strict_json(raw or b"")["step"]
-    except (ValueError, KeyError, TypeError):
+        step = strict_json(remote.read_bytes(LATEST_KEY, limit=4096) or b"")["step"]
+    except (ValueError, KeyError, TypeError, CorruptCheckpoint):
         return None
     return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def _point_latest(remote: Remote, step: int) -> None:
+    """Point ``latest`` at ``step``. Pulls list the remote and never need it, so something in its place
+    (file://: a folder) is named in a warning and the upload stands."""
+    try:
+        remote.write_bytes(LATEST_KEY, latest_document(step))
+    except RemoteInTheWay as e:
+        logger.warning("latest on %s is not updated: %s", remote.url, e)
 
 
 def _after_commit(remote: Remote, keep: int, newest: int) -> None:
@@ -453,7 +463,7 @@ def _after_commit(remote: Remote, keep: int, newest: int) -> None:
     if not complete or complete[-1].step != newest:
         logger.info("retention waits: %s is not complete on %s", checkpoint_name(newest), remote.url)
         return
-    remote.write_bytes(LATEST_KEY, latest_document(newest))
+    _point_latest(remote, newest)
     ignored = [c.name for c in summaries if c.complete and c.step > newest]
     if ignored:
         logger.warning("retention: %s on %s %s newer than the checkpoint just uploaded (%s): neither counted "

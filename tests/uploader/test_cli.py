@@ -112,6 +112,11 @@ def _folder_as_manifest(remote_dir: Path, ckpt: LocalCheckpoint) -> None:
     (remote_dir / ckpt.name / MANIFEST_NAME).mkdir(parents=True)
 
 
+def _folder_as_data_file(remote_dir: Path, ckpt: LocalCheckpoint) -> None:
+    (remote_dir / ckpt.name / "state.pt").mkdir(parents=True)
+
+
+
 def _newer_format(remote_dir: Path, ckpt: LocalCheckpoint) -> None:
     push(ckpt, FileRemote(remote_dir), keep=3)
     manifest = remote_dir / ckpt.name / MANIFEST_NAME
@@ -121,6 +126,8 @@ def _newer_format(remote_dir: Path, ckpt: LocalCheckpoint) -> None:
 # Remote steps an upload must not replace, with what the error line says.
 NOT_REPLACED: dict[str, tuple[Callable[[Path, LocalCheckpoint], None], str]] = {
     "folder-as-manifest": (_folder_as_manifest, "step-000000000020/manifest.json is not a regular file"),
+    "folder-as-data-file": (_folder_as_data_file, "step-000000000020/state.pt: Is a directory; something this "
+                                                  "uploader did not write is in its place: remove it"),
     "newer-format": (_newer_format, "step-000000000020: manifest format_version 4 is not supported (this build "
                                     "reads [1, 2, 3]); upgrade spot-trainer"),
 }
@@ -199,6 +206,19 @@ def test_sync_exits_6_with_one_line_on_a_remote_step_it_must_not_replace_and_cha
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("uploader: error: ") and says in last, last
     assert (checkpoints_of(local), files_of(remote_dir / newest.name)) == before
+
+
+def test_a_folder_where_latest_goes_is_named_in_a_warning_and_the_upload_stands(tmp_path: Path) -> None:
+    """Review B, 03: it was exit 1 after the upload, and a sidecar's crash loop; pulls never need latest."""
+    remote_dir, local = tmp_path / "remote", tmp_path / "local"
+    (remote_dir / "latest").mkdir(parents=True)
+    ckpt = make_checkpoint(local, 20)
+
+    result = run_cli(["sync", str(local), f"file://{remote_dir}"], isolated_aws_env(ADMIN))
+
+    assert result.returncode == 0, result.stderr
+    assert "latest on file://" in result.stderr and "is not updated" in result.stderr
+    assert data_files_of(remote_dir / ckpt.name) == data_files_of(ckpt.path)
 
 
 def test_sync_to_a_folder_this_user_may_not_write_exits_3(tmp_path: Path, immutable_folder: Path) -> None:

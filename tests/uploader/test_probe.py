@@ -11,7 +11,7 @@ import pytest
 
 from tests.support.checkpoints import complete_steps, make_checkpoint
 from tests.support.s3server import ADMIN, LOOPBACK, READER, Bucket, SeaweedFS, fast_config
-from uploader.exceptions import AuthError, StorageError
+from uploader.exceptions import AuthError, RemoteInTheWay, StorageError
 from uploader.layout import LATEST_KEY, checkpoint_of
 from uploader.probe import PROBE_BODY, PROBE_PREFIX, check_writable
 from uploader.remote import Remote, open_remote
@@ -56,7 +56,7 @@ def test_a_file_remote_that_cannot_be_created_keeps_its_error_type(tmp_path: Pat
 
     with pytest.raises(StorageError, match=r"is not writable \(start-up write check\): cannot create") as failed:
         check_writable(remote)
-    assert type(failed.value) is StorageError
+    assert type(failed.value) is RemoteInTheWay  # the remote's own error (exit 6: remove it), not an AuthError
     assert (tmp_path / "remote").read_text() == "a file where the remote folder should be"
 
 
