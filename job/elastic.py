@@ -116,6 +116,11 @@ def apply_plan(plan: BatchPlan, run: Run, cfg: TrainConfig, old_world: int) -> N
         raise CheckpointLoadError(f"the checkpoint's global batch does not fit this data ({e}): it was written for "
                                   f"other --data, or is damaged; resume it with its own --data, or {ADVICE}") from None
     position = run.state.timer.batch_in_epoch.value
+    if position >= len(run.sampler) and plan.scheme == LEGACY_SCHEME and old_world != plan.world:
+        raise ConfigError(  # its padding made epochs one global batch longer on some rank counts
+            f"the checkpoint is at batch {position} of its epoch, written by the rank-strided sampler of older "
+            f"releases on {old_world} ranks; on {plan.world} ranks its epoch has {len(run.sampler)} global "
+            f"batches: resume it on {old_world} ranks until the next epoch begins")
     if position >= len(run.sampler):
         raise CheckpointLoadError(
             f"the checkpoint is at batch {position} of its epoch, but an epoch of this data has {len(run.sampler)} "
@@ -159,10 +164,12 @@ class Handover:
 def for_this_rank(tree: dict[str, Any], rank: int, world: int, seed: int, step: int, source: str) -> Handover:
     """How this rank loads a full checkpoint written by one or more ranks (module docstring)."""
     mine = dict(tree)
-    per_rank = mine.pop(distributed.PER_RANK, None) or [{k: tree.get(k) for k in distributed.PER_RANK_KEYS}]
-    if not isinstance(per_rank, list) or not all(isinstance(p, dict) for p in per_rank):
+    per_rank = mine.pop(distributed.PER_RANK, None)
+    if per_rank is None:
+        per_rank = [{k: tree.get(k) for k in distributed.PER_RANK_KEYS}]
+    if not isinstance(per_rank, list) or not per_rank or not all(map(_rank_state, per_rank)):
         raise CheckpointLoadError(f"checkpoint {source} is damaged: its per-rank states are not a list of "
-                                  f"mappings; {ADVICE}")
+                                  f"mappings of {', '.join(distributed.PER_RANK_KEYS)}; {ADVICE}")
     if len(per_rank) == world:  # the same ranks: each its own, exactly
         mine.update({k: v for k, v in per_rank[rank].items() if v is not None})
         return Handover(mine, [])
@@ -173,6 +180,13 @@ def for_this_rank(tree: dict[str, Any], rank: int, world: int, seed: int, step: 
     if rank > 0:
         return Handover(mine, [], reset_metrics=True)
     return Handover(mine, [p["train_metrics"] for p in per_rank[1:] if p.get("train_metrics")])
+
+
+def _rank_state(found: Any) -> bool:
+    """One rank's entry as a checkpoint holds it: a mapping whose rng and train_metrics are mappings or
+    absent (the truth tests below, and the metric merge, failed on anything else with a traceback)."""
+    return isinstance(found, dict) and all(isinstance(found.get(k), (dict, type(None)))
+                                           for k in distributed.PER_RANK_KEYS)
 
 
 def merge_metrics(metrics: dict[str, Any], snapshots: list[dict[str, Any]]) -> None:

@@ -10,14 +10,15 @@ CheckpointLoadError (exit 6) before training starts, with the earlier checkpoint
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from job.exceptions import CheckpointLoadError
 from job.safe_load import clip
-from state import State
+from state import SEED_LIMIT, State
 from state.exceptions import StateError
 
 # Written by every version of the job; without them a resume would silently not be one.
@@ -27,9 +28,12 @@ CONTENT_ERRORS = (StateError, KeyError, RuntimeError, ValueError, TypeError, Att
 ADVICE = "restore a good checkpoint, or start a new run in another --save-folder/--remote"
 
 
-def restore(state: State, tree: Mapping[Any, Any], source: str, step: int, timer: Mapping[str, int]) -> None:
+def restore(state: State, tree: Mapping[Any, Any], source: str, step: int, timer: Mapping[str, int],
+            then: Callable[[dict[str, Any]], None] | None = None) -> None:
     """Load ``tree`` (read by job.checkpoint, handed over by job.elastic) into ``state``, then check
-    what it restored against the checkpoint's manifest (``step``, ``timer``) and this run's optimizer."""
+    what it restored against the checkpoint's manifest (``step``, ``timer``) and this run's optimizer.
+    ``then`` (job.elastic's Handover.finish: other ranks' metrics merged in) runs on the train metrics
+    after loading, its failures the checkpoint's like the load's."""
     missing = [name for name in REQUIRED if name not in tree]
     if missing:
         raise CheckpointLoadError(f"checkpoint {source} has no {', '.join(missing)}: it is damaged or was not "
@@ -37,13 +41,14 @@ def restore(state: State, tree: Mapping[Any, Any], source: str, step: int, timer
     before = _settings(state)
     try:
         state.load_state_dict(tree, strict=True)
+        if then is not None:
+            then(state.train_metrics)
     except CONTENT_ERRORS as e:
         raise CheckpointLoadError(
             f"checkpoint {source} does not fit this model/optimizer or is damaged ({_what_differs(e)}); "
             f"resume it with the --model it was written with, or {ADVICE}") from None
-    problem = _timer_problem(state, step, timer) or _optimizer_problem(state) or _settings_problem(state, before)
-    if problem is None and not all(isinstance(v, Mapping) for v in _values(state.current_metrics)):
-        problem = "its current_metrics are not a mapping of metric values"
+    problem = (_timer_problem(state, step, timer) or _optimizer_problem(state) or _settings_problem(state, before)
+               or _plain_problem(state))
     if problem is not None:
         raise CheckpointLoadError(f"checkpoint {source} is damaged: {problem}; {ADVICE}")
 
@@ -61,8 +66,17 @@ def _what_differs(error: Exception) -> str:
     return clip("; ".join(lines), 300) or type(error).__name__
 
 
-def _values(found: Any) -> list[Any]:
-    return list(found.values()) if isinstance(found, Mapping) else [None]
+def _plain_problem(state: State) -> str | None:
+    """The plain entries State restores as they are: a seed ("x" failed the first resume on another
+    number of ranks, which derives new ranks' seeds from it) and the last computed metrics."""
+    seed = state.rank_zero_seed
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT:
+        return f"its rank_zero_seed is {clip(repr(seed), 40)}, not a seed"
+    found = state.current_metrics  # logged as numbers at each evaluation and at the end
+    if not isinstance(found, Mapping) or not all(isinstance(v, Mapping) and all(map(_is_number, v.values()))
+                                                 for v in found.values()):
+        return "its current_metrics are not a mapping of metric values"
+    return None
 
 
 def _timer_problem(state: State, step: int, timer: Mapping[str, int]) -> str | None:
@@ -83,7 +97,10 @@ def _optimizer_problem(state: State) -> str | None:
     for opt in state.optimizers:
         for group in opt.param_groups:
             for param in group["params"]:
-                for name, value in opt.state.get(param, {}).items():
+                per_param = opt.state.get(param, {})
+                if not isinstance(per_param, Mapping):
+                    return f"an optimizer state of a parameter is a {type(per_param).__name__}, not a mapping"
+                for name, value in per_param.items():
                     if isinstance(value, torch.Tensor):
                         if value.dim() > 0 and value.shape != param.shape:
                             return (f"optimizer state {name!r} has shape {tuple(value.shape)} for a parameter of "
@@ -108,28 +125,38 @@ def _settings(state: State) -> dict[str, Any]:
 
 
 def _settings_problem(state: State, before: dict[str, Any]) -> str | None:
-    """Each setting that was a number (or a sequence of them) must still be one, of as many: a learning
-    rate of "fast" failed inside AdamW at the first step, a string last_epoch in the schedule."""
+    """Each setting that was a finite number (or a sequence of them) must still be one, of as many: a
+    learning rate of "fast" failed inside AdamW at the first step, a string last_epoch in the schedule, and
+    one of nan trained NaNs until --keep pruned the good checkpoints. A setting the checkpoint does not
+    have is no damage (``initial_lr`` of a run that had no schedule then: job.build.refit_schedule)."""
     after = _settings(state)
     for name, old in before.items():
-        new = after.get(name)
+        if name not in after:
+            continue
+        new = after[name]
         if _numeric(old) and not (_numeric(new) and _length(new) == _length(old)):
             return f"{name} is {clip(repr(new), 60)}, not a number like {clip(repr(old), 60)}"
     return None
 
 
 def _length(value: Any) -> int | None:
+    """How many numbers a sequence setting holds (betas: 2); None for one number."""
     return len(value) if isinstance(value, (list, tuple)) else None
 
 
 def _is_number(value: Any) -> bool:
+    """One real number: an int or float (not a bool), or a tensor of one real element."""
     if isinstance(value, torch.Tensor):
         return value.numel() == 1 and not value.is_complex()
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _finite(value: Any) -> bool:
+    return _is_number(value) and (isinstance(value, int) or math.isfinite(float(value)))
+
+
 def _numeric(value: Any) -> bool:
-    """A number, or a non-empty list or tuple of numbers (betas, base_lrs)."""
+    """A finite number, or a non-empty list or tuple of them (betas, base_lrs)."""
     if isinstance(value, (list, tuple)):
-        return bool(value) and all(_is_number(v) for v in value)
-    return _is_number(value)
+        return bool(value) and all(_finite(v) for v in value)
+    return _finite(value)

@@ -121,8 +121,7 @@ def resume(state: State, cfg: CheckpointConfig, checkpointer: Checkpointer, meta
     tree, source, ckpt_meta, step, timer = loaded
     handover = elastic.for_this_rank(tree, distributed.rank(), distributed.world_size(),
                                      seed=state.rank_zero_seed, step=step, source=source)
-    restore(state, handover.tree, source, step, timer)
-    handover.finish(state.train_metrics)
+    restore(state, handover.tree, source, step, timer, then=handover.finish)
     event(logger, "resumed", step=state.timer.batch.value, epoch=state.timer.epoch.value, source=source,
           world_size_was=ckpt_meta.get("world_size"), world_size=distributed.world_size())
     return ckpt_meta

@@ -83,15 +83,26 @@ DAMAGED_STATES = {
     "moments of another shape": (_set("optimizers.AdamW.state.0.exp_avg", torch.zeros(7)),
                                  "optimizer state 'exp_avg' has shape (7,)"),
     "a learning rate of 'fast'": (_set("optimizers.AdamW.param_groups.0.lr", "fast"), "AdamW 0 group 0 lr is 'fast'"),
+    "a learning rate of nan": (_set("optimizers.AdamW.param_groups.0.lr", float("nan")), "AdamW 0 group 0 lr is nan"),
+    "a parameter's optimizer state that is a list": (_set("optimizers.AdamW.state.0", []),
+                                                     "an optimizer state of a parameter is a list, not a mapping"),
     "a schedule position of 'x'": (_set("schedulers.CosineAnnealingLR.last_epoch", "x"),
                                    "CosineAnnealingLR 0 last_epoch is 'x'"),
     "base learning rates of ['x']": (_set("schedulers.CosineAnnealingLR.base_lrs", ["x"]), "base_lrs is ['x']"),
     "schedulers as a list": (_set("schedulers", [1]), "damaged"),
     "train metrics that are a number": (_set("train_metrics", 5), "damaged"),
     "current metrics that are a number": (_set("current_metrics", 5), "current_metrics are not a mapping"),
+    "a current metric that is a string": (_set("current_metrics", {"train": {"accuracy": "x"}}),
+                                          "current_metrics are not a mapping of metric values"),
+    "a seed of 'x'": (_set("rank_zero_seed", "x"), "its rank_zero_seed is 'x', not a seed"),
+    "a seed of 2**80": (_set("rank_zero_seed", 2 ** 80), "its rank_zero_seed is 1208925819614629174706176"),
     "an integer model key": (lambda tree: tree["model"].__setitem__(7, torch.zeros(2)), "damaged"),
     "per-rank states that are a number": (_set("per_rank", 5), "per-rank states are not a list of mappings"),
     "per-rank states of numbers": (_set("per_rank", [5, 6]), "per-rank states are not a list of mappings"),
+    "train metrics of another rank that are a number": (_set("per_rank", [{}, {"train_metrics": 5}]),
+                                                        "per-rank states are not a list of mappings"),
+    "a per-rank rng that is a tensor": (_set("per_rank", [{"rng": torch.zeros(3)}, {}]),
+                                        "per-rank states are not a list of mappings"),
 }
 
 
@@ -148,5 +159,14 @@ def test_inspect_calls_a_malformed_model_entry_damaged(good: Path, tmp_path: Pat
 def test_the_sealed_copy_of_a_good_checkpoint_still_resumes(good: Path, tmp_path: Path) -> None:
     """The tests' own control: a copy sealed again without a change resumes and trains on."""
     folder = damaged_copy(good, tmp_path, state=lambda tree: None)
+    state = train_state(train_config(max_duration="6ba"), ckpt_config(folder, interval="2ba", async_save=False))
+    assert state.timer.batch.value == 6
+
+
+def test_a_setting_the_checkpoint_lacks_is_no_damage(good: Path, tmp_path: Path) -> None:
+    """A run without a schedule (a --max-duration in tokens) saved no initial_lr; resumed with a schedule
+    it resumes (job.build.refit_schedule sets the new one up), as it did before job.restore."""
+    folder = damaged_copy(good, tmp_path, state=lambda tree: _drop("initial_lr")(
+        tree["optimizers"]["AdamW"]["param_groups"][0]))
     state = train_state(train_config(max_duration="6ba"), ckpt_config(folder, interval="2ba", async_save=False))
     assert state.timer.batch.value == 6
