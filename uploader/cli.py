@@ -15,7 +15,8 @@ Exit codes:
     0  success (watch: stopped by SIGTERM/SIGINT, or the job finished, with everything committed uploaded)
     1  unexpected error (a storage error none of the below, or a bug)
     2  usage: a bad option, value or remote URL
-    3  authentication or permission: missing or wrong credentials, access denied, a file:// folder this user may not write
+    3  authentication or permission: missing or wrong credentials, access denied, a file:// folder this user may not
+       write, a local checkpoint it may not read
     4  the bucket (for file://, the folder above the remote path) does not exist
     5  storage unreachable or failing after every retry (watch: grace period over before the upload ended)
     6  no complete checkpoint found, or the checkpoint is corrupt; or a remote entry an upload must not
@@ -108,13 +109,15 @@ class Size(click.ParamType):  # type: ignore[type-arg]  # generic only from clic
 class Seconds(click.FloatRange):
     """A number of seconds within bounds, and finite: click's FloatRange lets nan through every bound
     (a poll interval of nan polled without a pause), and a wait of inf or 1e308 seconds overflows
-    time_t or the thread wait's limit (threading.TIMEOUT_MAX, 292 years)."""
+    time_t or the thread wait's limit (threading.TIMEOUT_MAX), also with the margins added to it."""
+
+    LIMIT = 1e9  # 31 years, far below threading.TIMEOUT_MAX (292 years on Linux) and time_t
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         seconds = super().convert(value, param, ctx)
-        if not math.isfinite(seconds) or seconds > threading.TIMEOUT_MAX:
-            self.fail(f"{value!r} is not a number of seconds a wait can take (finite, at most "
-                      f"{threading.TIMEOUT_MAX:.3g})", param, ctx)
+        if not math.isfinite(seconds) or seconds > self.LIMIT:
+            self.fail(f"{value!r} is not a number of seconds a wait can take (finite, at most {self.LIMIT:.0e})",
+                      param, ctx)
         return seconds
 
 

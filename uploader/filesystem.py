@@ -276,7 +276,7 @@ def _refused(what: str, e: OSError) -> StorageError:
                          "on a volume mounted read-write")
     if e.errno in _IN_THE_WAY:
         return RemoteInTheWay(f"{what}: {e.strerror}; something this uploader did not write is in its place: "
-                              "remove it from the remote, then upload again (nothing local is changed)")
+                              "remove it from the remote, then run this again (nothing local is changed)")
     return StorageError(f"{what}: {e.strerror}")
 
 

@@ -29,7 +29,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
-from uploader.exceptions import CorruptCheckpoint, ManifestError, UnsupportedFormat
+from uploader.exceptions import CorruptCheckpoint, LocalAccessError, ManifestError, UnsupportedFormat
 from uploader.hashing import fsync_path
 from uploader.manifest import MANIFEST_NAME, Manifest, node_part, open_regular
 
@@ -265,9 +265,9 @@ def _counted(ckpt: LocalCheckpoint) -> bool:
         problem = None if manifest.step == ckpt.step else f"its manifest is for step {manifest.step}"
     except (CorruptCheckpoint, ManifestError) as e:
         problem = str(e)
-    if problem is not None:
-        logger.warning("retention: %s is neither counted nor deleted: %s; delete it by hand once inspected",
-                       ckpt.path, problem)
+    if problem is not None:  # once: the job prunes after every save
+        _warn_once(f"retention: {ckpt.path} is neither counted nor deleted: {problem}; delete it by hand once "
+                   "inspected")
     return problem is None
 
 
@@ -324,11 +324,19 @@ def _is_real_dir(path: Path) -> bool:
 def _is_regular(path: Path) -> bool:
     try:
         return stat.S_ISREG(os.lstat(path).st_mode)
-    except PermissionError as e:  # a checkpoint folder this user may not enter: say so, it is not uploaded
-        _warn_once(f"cannot read {path.parent}: {e.strerror}; it is skipped until this user may read it")
-        return False
+    except PermissionError as e:  # a checkpoint folder this user may not enter: skipped, it was never uploaded
+        raise not_readable(path.parent, e) from None
     except OSError:
         return False
+
+
+def not_readable(path: Path, e: OSError) -> LocalAccessError:
+    """A sidecar running as another user than the job: its checkpoints are good, only not readable here.
+    Setting them aside as corrupt (as before) lost the newest one to every later start; skipping them, a
+    watch that saw the job finish exited 0 with nothing uploaded."""
+    return LocalAccessError(f"cannot read {path}: {e.strerror or e}; run the uploader as a user that may read "
+                            "the job's checkpoints (the job's uid, or a shared group and fsGroup); the checkpoint "
+                            "is left as it is")
 
 
 _warned: set[str] = set()

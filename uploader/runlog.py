@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from uploader.exceptions import CorruptCheckpoint
+from uploader.manifest import open_regular
 from uploader.remote import Remote
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ class RunlogMirror:
         self.root = folder / RUNLOG_DIR
         self.remote = remote
         self._sent: dict[str, _Seen] | None = None
+        self._said_not_a_folder = False
 
     def sync(self) -> int:
         """Upload what changed; the number of files uploaded. Storage errors propagate (the caller's
@@ -62,7 +64,7 @@ class RunlogMirror:
             if self._sent.get(key) == seen:
                 continue
             try:
-                data = path.read_bytes()
+                data = _read(path)
             except OSError as e:
                 logger.warning("run log: cannot read %s (%s); not uploaded", path, e.strerror)
                 continue
@@ -95,7 +97,7 @@ class RunlogMirror:
                 continue
             if seen.size <= MAX_LEDGER_ENTRY:
                 try:
-                    if self.remote.read_bytes(key, limit=MAX_LEDGER_ENTRY) != path.read_bytes():
+                    if self.remote.read_bytes(key, limit=MAX_LEDGER_ENTRY) != _read(path):
                         continue
                 except OSError:
                     continue
@@ -108,6 +110,9 @@ class RunlogMirror:
         found: list[tuple[str, Path, _Seen]] = []
         try:  # os.walk follows a link given as its top: runlog/ itself must be a real folder
             if not stat.S_ISDIR(self.root.lstat().st_mode):
+                if not self._said_not_a_folder:
+                    logger.warning("run log: %s is not a folder (a link?); it is not uploaded", self.root)
+                    self._said_not_a_folder = True
                 return found
         except OSError:
             return found  # none yet
@@ -127,6 +132,13 @@ class RunlogMirror:
                 key = path.relative_to(self.root.parent).as_posix()
                 found.append((key, path, _Seen(st.st_size, st.st_mtime_ns)))
         return found
+
+
+def _read(path: Path) -> bytes:
+    """A run log file as the listing saw it: never through a link swapped in since, never more than
+    MAX_RUNLOG_FILE (+1, so that a file grown past it since shows as changed, not cut short)."""
+    with open_regular(path) as f:
+        return f.read(MAX_RUNLOG_FILE + 1)
 
 
 def read_ledger(remote: Remote) -> list[tuple[str, bytes]]:

@@ -67,6 +67,7 @@ from uploader.hashing import (
     pwrite_all,
     tagged,
 )
+from uploader.manifest import open_regular
 from uploader.parallel import ordered_map
 from uploader.redact import redact_url
 from uploader.remote import ObjectInfo, OnBytes, s3_location
@@ -459,7 +460,7 @@ class S3Remote:
         on_bytes: OnBytes | None, abort: threading.Event | None
     ) -> None:
         """Small files: read once into memory, check, then PUT (a retry re-sends the same bytes)."""
-        data = _read_local(path)
+        data = _read_local(path, size)
         if len(data) != size or digest_bytes(data, block_size, algorithm) != digest:
             raise CorruptCheckpoint(f"{path} does not match its manifest (size or {algorithm}); not uploading it")
         self._call(
@@ -500,14 +501,16 @@ class S3Remote:
         def chunks() -> Iterator[tuple[int, bytes]]:
             nonlocal read
             try:
-                with open(path, "rb") as f:
+                with open_regular(path) as f:  # never through a link, never past the size: uploader.sync
                     number = 1
-                    while chunk := f.read(part_size):
+                    while read < size and (chunk := f.read(min(part_size, size - read))):
                         if sent_digest.in_order is not None:
                             sent_digest.in_order.update(chunk)
                         read += len(chunk)
                         yield number, chunk
                         number += 1
+                    if f.read(1):  # longer than the manifest says (grown since): refused below
+                        read += 1
             except OSError as e:
                 raise CorruptCheckpoint(f"cannot read {path}: {e.strerror}") from None
 
@@ -666,8 +669,11 @@ def _stream_into(body: Any, dest: Destination, offset: int, length: int, chunk: 
         body._raw_stream.release_conn()
 
 
-def _read_local(path: Path) -> bytes:
+def _read_local(path: Path, size: int) -> bytes:
+    """A small local file, never through a link and never more than one byte past ``size`` (a planted
+    /dev/zero), so that the check after it sees the difference."""
     try:
-        return path.read_bytes()
+        with open_regular(path) as f:
+            return f.read(size + 1)
     except OSError as e:
         raise CorruptCheckpoint(f"cannot read {path}: {e.strerror}") from None

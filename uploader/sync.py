@@ -63,7 +63,6 @@ from pathlib import Path
 from uploader.destination import Destination, local_writes
 from uploader.exceptions import (
     CorruptCheckpoint,
-    LocalAccessError,
     LocalCheckpointError,
     LocalCorruptCheckpoint,
     LocalUnsupportedFormat,
@@ -89,6 +88,7 @@ from uploader.local import (
     checkpoint_name,
     commit,
     list_committed,
+    not_readable,
     remove_abandoned_staging,
     set_aside,
     staging_dir,
@@ -338,7 +338,7 @@ def _put_file(remote: Remote, key: str, ckpt: LocalCheckpoint, entry: FileEntry,
             with open_regular(path):  # readable by this user? put_file's own failure to open is "corrupt"
                 pass
     except PermissionError as e:
-        raise _not_readable(path, e) from None
+        raise not_readable(path, e) from None
     except OSError as e:
         raise LocalCorruptCheckpoint(f"cannot read {path}: {e.strerror or e}") from None
     if not stat.S_ISREG(st.st_mode) or st.st_size != entry.size:
@@ -352,14 +352,6 @@ def _put_file(remote: Remote, key: str, ckpt: LocalCheckpoint, entry: FileEntry,
         raise LocalCorruptCheckpoint(str(e)) from None
 
 
-def _not_readable(path: Path, e: OSError) -> LocalAccessError:
-    """A sidecar running as another user than the job: its checkpoints are good, only not readable here.
-    Setting them aside as corrupt (as before) lost the newest one to every later start."""
-    return LocalAccessError(f"cannot read {path}: {e.strerror or e}; run the uploader as a user that may read "
-                            "the job's checkpoints (the job's uid, or a shared group and fsGroup); the checkpoint "
-                            "is left as it is")
-
-
 def _local_manifest(ckpt: LocalCheckpoint) -> tuple[bytes, Manifest]:
     """The manifest of the local checkpoint to upload, raw and parsed (its node fields checked too);
     LocalCheckpointError if it cannot be used."""
@@ -367,7 +359,7 @@ def _local_manifest(ckpt: LocalCheckpoint) -> tuple[bytes, Manifest]:
         with open_regular(ckpt.path / MANIFEST_NAME) as f:
             raw = f.read(MAX_MANIFEST_BYTES + 1)
     except PermissionError as e:
-        raise _not_readable(ckpt.path / MANIFEST_NAME, e) from None
+        raise not_readable(ckpt.path / MANIFEST_NAME, e) from None
     except OSError as e:
         raise LocalCorruptCheckpoint(f"{ckpt.path}: cannot read its manifest ({e.strerror or e})") from None
     try:

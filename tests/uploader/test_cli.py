@@ -177,13 +177,15 @@ def test_a_checkpoint_this_user_may_not_read_is_exit_3_and_never_set_aside(unrea
         assert list(remote_dir.iterdir()) == []
 
 
-def test_a_checkpoint_folder_this_user_may_not_enter_is_named_in_a_warning() -> None:
-    """Review B, 07: it was skipped without a word, and its step never uploaded."""
+def test_a_checkpoint_folder_this_user_may_not_enter_is_exit_3() -> None:
+    """Review B, 07: it was skipped without a word (exit 0), and a watch that then saw the job finish
+    exited 0 as if everything were uploaded."""
     with tempfile.TemporaryDirectory() as top:
         done, ckpt, remote_dir = _sync_unreadable(Path(top), "")
 
-        assert done.returncode == 0, done.stderr
-        assert f"cannot read {ckpt.path}: Permission denied; it is skipped until this user may read it" in done.stderr
+        assert done.returncode == 3, done.stderr
+        [line] = done.stderr.strip().splitlines()
+        assert f"cannot read {ckpt.path}: Permission denied; run the uploader as a user that may read" in line
         assert list(remote_dir.iterdir()) == []
 
 

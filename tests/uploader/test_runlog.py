@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 from uploader.remote import Remote
 from uploader.runlog import RUNLOG_DIR, RunlogMirror, read_ledger
 
@@ -45,7 +47,8 @@ def test_links_dot_files_and_other_lives_remote_files_are_left_alone(remote: Rem
                             "runlog/ledger/life-earlier.json": b"an earlier life, on another disk"}
 
 
-def test_a_run_log_folder_that_is_a_link_is_not_followed(remote: Remote, local: Path, tmp_path: Path) -> None:
+def test_a_run_log_folder_that_is_a_link_is_not_followed(remote: Remote, local: Path, tmp_path: Path,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
     elsewhere = tmp_path / "elsewhere"
     (elsewhere / "ledger").mkdir(parents=True)
     (elsewhere / "ledger" / "passwd").write_text("not for the bucket")
@@ -53,6 +56,7 @@ def test_a_run_log_folder_that_is_a_link_is_not_followed(remote: Remote, local: 
     os.symlink(elsewhere, local / RUNLOG_DIR)
     assert RunlogMirror(local, remote).sync() == 0
     assert keys(remote) == {}
+    assert "is not a folder (a link?); it is not uploaded" in caplog.text
 
 
 def test_a_restarted_mirror_does_not_upload_again_what_is_there(remote: Remote, local: Path) -> None:
