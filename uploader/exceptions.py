@@ -31,6 +31,8 @@ class LocalCheckpointError(UploaderError):
     may make ``sync`` and ``watch`` set the local checkpoint aside. Damage found in the remote (an entry that is
     not an object, a newer build's checkpoint of the same step) is never a reason to set good local work aside."""
 
+    manifest: bytes | None = None  # the local manifest the failed upload had read, when it got that far
+
 
 class LocalCorruptCheckpoint(LocalCheckpointError, CorruptCheckpoint):
     """A local checkpoint being uploaded whose files do not match its manifest, or whose manifest cannot be

@@ -181,11 +181,23 @@ def push_all(folder: Path, remote: Remote, keep: int, *, abort: threading.Event 
 def set_aside_local(ckpt: LocalCheckpoint, error: LocalCheckpointError) -> None:
     """A local checkpoint that failed to upload because it does not verify: set it aside, unless it
     is being pruned (its manifest gone: the job's retention got there first) or a newer build wrote it.
-    Only for LocalCheckpointError: a failure of the remote is never the local checkpoint's."""
-    if (ckpt.path / MANIFEST_NAME).is_file() and not isinstance(error, UnsupportedFormat):
+    Only for LocalCheckpointError: a failure of the remote is never the local checkpoint's. A checkpoint
+    saved again while it was uploaded (its manifest is not the one the upload read) is the new save,
+    which did not fail: it is left alone and uploaded by the next pass."""
+    if error.manifest is not None and _manifest_bytes(ckpt) != error.manifest:
+        logger.warning("not uploading local %s: %s; it was saved again meanwhile, left as it is", ckpt.name, error)
+    elif (ckpt.path / MANIFEST_NAME).is_file() and not isinstance(error, UnsupportedFormat):
         set_aside(ckpt, str(error))
     else:
         logger.warning("skipping local %s: %s", ckpt.name, error)
+
+
+def _manifest_bytes(ckpt: LocalCheckpoint) -> bytes | None:
+    try:
+        with open_regular(ckpt.path / MANIFEST_NAME) as f:
+            return f.read(MAX_MANIFEST_BYTES + 1)
+    except OSError:
+        return None
 
 
 def pull_newest(remote: Remote, folder: Path, *, abort: threading.Event | None = None,
@@ -293,7 +305,11 @@ def _upload(ckpt: LocalCheckpoint, remote: Remote, abort: threading.Event | None
             skipped += 1
             progress.add(entry.size)
             continue
-        _put_file(remote, key, ckpt, entry, progress, abort)
+        try:
+            _put_file(remote, key, ckpt, entry, progress, abort)
+        except LocalCheckpointError as e:
+            e.manifest = raw  # what was being uploaded: set_aside_local leaves a re-save alone
+            raise
     remote.write_bytes(marker, raw)
     progress.close()
     logger.info("uploaded %s to %s (%d files, %d bytes%s)", marker if part else ckpt.name, remote.url,

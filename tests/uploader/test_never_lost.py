@@ -24,6 +24,7 @@ from tests.support.checkpoints import (
     files_of,
     make_checkpoint,
 )
+from tests.support.recording import RecordingRemote
 from uploader.exceptions import BucketNotFound, CorruptCheckpoint, ManifestError, StorageError
 from uploader.filesystem import FileRemote
 from uploader.layout import data_key, manifest_key
@@ -452,6 +453,33 @@ def test_an_upload_reads_no_link_and_no_byte_past_the_manifest_size(remote: Remo
     (aside,) = list_set_aside(local)
     assert list_committed(local) == [] and aside.name.startswith("corrupt-step-000000000004-")
     assert complete_steps(remote) == [] and not [o for o in remote.list("") if o.size > 1_000_000]
+
+
+class ResavedDuringUpload(RecordingRemote):
+    """The job saves the step again (other bytes) while the uploader sends the first file of it."""
+
+    def __init__(self, inner: Remote, folder: Path, step: int) -> None:
+        super().__init__(inner)
+        self.folder, self.step, self.resaved = folder, step, False
+
+    def put_file(self, key: str, path: Path, **kwargs: Any) -> None:
+        if not self.resaved:
+            self.resaved = True
+            make_checkpoint(self.folder, self.step, seed=99)
+        super().put_file(key, path, **kwargs)
+
+
+def test_a_checkpoint_saved_again_during_its_upload_is_never_set_aside(remote: Remote, local: Path) -> None:
+    """Review of session 15: the upload of the first save fails (its files changed under it), and the new
+    save, which is good, was set aside in its place."""
+    make_checkpoint(local, 4)
+
+    assert push_all(local, ResavedDuringUpload(remote, local, 4), keep=3) == []
+
+    assert list_set_aside(local) == [] and [c.step for c in list_committed(local)] == [4]
+    assert push_all(local, remote, keep=3) == [4]  # the next pass uploads the new save
+    assert data_files_of(local / checkpoint_name(4)) == {k: remote.read_bytes(data_key(checkpoint_name(4), k))
+                                                         for k in data_files_of(local / checkpoint_name(4))}
 
 
 # -- 7. crash-consistent commits (the os._exit sweep is in tests/uploader/test_commit_crash.py) -------
