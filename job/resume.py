@@ -119,9 +119,16 @@ def resume(state: State, cfg: CheckpointConfig, checkpointer: Checkpointer, meta
     if loaded is None:
         return None
     tree, source, ckpt_meta, step, timer = loaded
-    handover = elastic.for_this_rank(tree, distributed.rank(), distributed.world_size(),
-                                     seed=state.rank_zero_seed, step=step, source=source)
-    restore(state, handover.tree, source, step, timer, then=handover.finish)
+    error: str | None = None
+    try:  # what is per rank can be damaged for one rank only: every rank refuses it, none trains on alone
+        handover = elastic.for_this_rank(tree, distributed.rank(), distributed.world_size(),
+                                         seed=state.rank_zero_seed, step=step, source=source)
+        restore(state, handover.tree, source, step, timer, then=handover.finish)
+    except CheckpointLoadError as e:
+        error = str(e)
+    errors = [e for e in distributed.all_gather(error) if e is not None]
+    if errors:
+        raise CheckpointLoadError(error or f"{errors[0]} (seen by another rank)")
     event(logger, "resumed", step=state.timer.batch.value, epoch=state.timer.epoch.value, source=source,
           world_size_was=ckpt_meta.get("world_size"), world_size=distributed.world_size())
     return ckpt_meta

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from job.checkpoint import STATE_FILE, open_checkpoint
+from tests.support.checkpoints import reseal
 from tests.support.elastic import DATASET, assert_close, final_model, resumed, run
 from tests.support.jobs import events
 from tests.support.recording_model import trained
@@ -66,6 +68,28 @@ def test_a_global_batch_that_does_not_divide_is_refused_before_training(tmp_path
     errors = [line for line in refused.stderr.splitlines() if line.startswith("job: error:")]
     assert errors and all("does not divide among 3 ranks" in e and "1, 2, 4, 8, 16, 32, 64" in e for e in errors)
     assert len(trained(record)) == before  # nothing trained
+
+
+def test_a_state_damaged_for_one_rank_only_is_refused_by_every_rank(tmp_path: Path) -> None:
+    """Rank 1's RNG state is damaged, rank 0's is good: rank 1 alone refused it, and rank 0 went on into
+    training alone (a hang until the collective's timeout). Now every rank refuses it, nothing trains."""
+    folder, record = tmp_path / "ck", tmp_path / "record"
+    first = run(2, folder, record, "--batch-size", "32", "--grad-accum", "1", stop_after=4)
+    assert any(e.get("event") == "preempted" for e in events(first.stderr))
+    newest, _ = open_checkpoint(folder)
+    tree = torch.load(newest / STATE_FILE, weights_only=True)
+    tree["per_rank"][1]["rng"]["torch"] = 5
+    torch.save(tree, newest / STATE_FILE)
+    reseal(newest)
+    before = len(trained(record))
+
+    refused = run(2, folder, record, "--batch-size", "32", "--grad-accum", "1")
+
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("job: error:")]
+    assert refused.proc.returncode != 0 and len(errors) == 2, refused.stderr[-3000:]
+    assert all("does not fit this model/optimizer or is damaged" in e for e in errors)
+    assert sum("(seen by another rank)" in e for e in errors) == 1
+    assert len(trained(record)) == before
 
 
 # -- the pieces, in-process ------------------------------------------------------------------------
