@@ -679,8 +679,8 @@ def model_sha256(model_state: dict[str, Any]) -> str:
 
 
 def _fingerprint(folder: Path, model_state: Any) -> str:
-    """model_sha256 of a checkpoint's model entry, which is untrusted: anything but names to dense
-    tensors is a damaged checkpoint (exit 6), as it would be for a resume."""
+    """model_sha256 of a checkpoint's model entry, which is untrusted: anything but a mapping by names, or
+    a tensor it cannot read (sparse), is a damaged checkpoint (exit 6), as it would be for a resume."""
     if not isinstance(model_state, dict) or not all(isinstance(k, str) for k in model_state):
         raise CheckpointLoadError(f"{folder}: its model entry is not a mapping of names to tensors: it is damaged")
     try:

@@ -140,7 +140,8 @@ def push(ckpt: LocalCheckpoint, remote: Remote, keep: int, *, abort: threading.E
     Raises LocalCorruptCheckpoint if a local file no longer matches the manifest (or vanished: the job's
     local pruning can remove a checkpoint while it is being uploaded); the remote is then left with
     an incomplete checkpoint that is never used. Raises UnsupportedFormat or CorruptCheckpoint, having
-    changed nothing, when the remote's manifest of this step must not be replaced (module docstring).
+    changed nothing, when the remote's manifest of this step must not be replaced (module docstring), and
+    RemoteInTheWay (file://) when something it did not write stands where a data file goes.
     """
     _check_keep(keep)
     _upload(ckpt, remote, abort)

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import torch
 
+from job import elastic
 from job.checkpoint import STATE_FILE, describe, open_checkpoint
 from job.exceptions import CheckpointLoadError, ConfigError
-from job import elastic
 from tests.support.checkpoints import checkpoints_of, reseal
 from tests.support.jobs import ckpt_config, run_job, train_config, train_state
 from uploader import local
