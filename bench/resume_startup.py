@@ -22,7 +22,6 @@ The checkpoint is made once at the start by a short real training run that uploa
 """
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import subprocess
