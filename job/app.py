@@ -249,7 +249,7 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
         plan = elastic.fresh_plan(cfg, run.world_size)
         if resumed is not None:
             plan = elastic.resumed_plan(resumed, cfg, run.world_size)
-            elastic.apply_plan(plan, run, cfg, elastic.written_on(resumed))
+            elastic.apply_plan(plan, run, cfg)
             refit_schedule(run, cfg.lr)
         checkpointer.meta = {**meta, **plan.meta()}
         eval_interval = resolve_at_start("--eval-interval", cfg.eval_interval, state, plan.global_batch)

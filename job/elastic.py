@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from job import distributed
@@ -45,6 +45,7 @@ class BatchPlan:
     micro_batch: int  # the largest micro-batch a device runs (the run's first start's)
     world: int
     scheme: str = SAMPLER_SCHEME
+    written_on: int | None = None  # the ranks that wrote the checkpoint resumed (its manifest); None: a new run
 
     @property
     def per_rank(self) -> int:
@@ -73,20 +74,20 @@ def resumed_plan(meta: dict[str, Any], cfg: TrainConfig, world: int) -> BatchPla
     Checkpoints written before the global batch was recorded derive it from their per-rank settings.
     """
     flags = fresh_plan(cfg, world)
-    old_world = written_on(meta)
+    old_world = _ranks_that_wrote(meta)
     try:
         global_batch = int(meta.get("global_batch", int(meta["batch_size"]) * old_world))
         micro = int(meta.get("micro_batch", int(meta["batch_size"]) // int(meta["grad_accum"])))
     except (KeyError, TypeError, ValueError):
-        return flags  # a checkpoint without these settings (hand-made, very old): the flags decide
+        return replace(flags, written_on=old_world)  # a checkpoint without these settings: the flags decide
     if global_batch < 1 or micro < 1:
-        return flags
+        return replace(flags, written_on=old_world)
     if global_batch % world:
         works = [n for n in range(1, min(global_batch, 1024) + 1) if global_batch % n == 0]
         raise ConfigError(
             f"the run's global batch of {global_batch} samples does not divide among {world} ranks; resume it on "
             f"{', '.join(map(str, works))} ranks (or start a new run with a --batch-size that divides)")
-    plan = BatchPlan(global_batch, micro, world, str(meta.get("sampler", LEGACY_SCHEME)))
+    plan = BatchPlan(global_batch, micro, world, str(meta.get("sampler", LEGACY_SCHEME)), old_world)
     if plan.global_batch != flags.global_batch:
         logger.warning("keeping the checkpoint's global batch of %d samples (%d per rank on %d ranks); --batch-size "
                        "%d x %d ranks would be %d", plan.global_batch, plan.per_rank, world, cfg.batch_size, world,
@@ -94,7 +95,7 @@ def resumed_plan(meta: dict[str, Any], cfg: TrainConfig, world: int) -> BatchPla
     return plan
 
 
-def written_on(meta: dict[str, Any]) -> int:
+def _ranks_that_wrote(meta: dict[str, Any]) -> int:
     """The number of ranks that wrote a checkpoint, from its manifest (1 when not recorded)."""
     value = meta.get("world_size", 1)
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_RANKS:
@@ -103,12 +104,13 @@ def written_on(meta: dict[str, Any]) -> int:
     return value
 
 
-def apply_plan(plan: BatchPlan, run: Run, cfg: TrainConfig, old_world: int) -> None:
+def apply_plan(plan: BatchPlan, run: Run, cfg: TrainConfig) -> None:
     """Split each global batch as ``plan`` says: the sampler's slices, the micro-batches, the schedule's
     length. The rank-strided scheme's padding is kept only on its own rank count (bit-exact there).
 
     The checkpoint's position must lie inside an epoch of this data: further on (other --data, or a
     damaged timer) the loop would fail at its first batch."""
+    old_world = plan.written_on or plan.world
     try:
         run.sampler.configure(plan.global_batch, plan.world, distributed.rank(),
                               wrap_pad=plan.scheme == LEGACY_SCHEME and old_world == plan.world)
@@ -116,12 +118,12 @@ def apply_plan(plan: BatchPlan, run: Run, cfg: TrainConfig, old_world: int) -> N
         raise CheckpointLoadError(f"the checkpoint's global batch does not fit this data ({e}): it was written for "
                                   f"other --data, or is damaged; resume it with its own --data, or {ADVICE}") from None
     position = run.state.timer.batch_in_epoch.value
-    if position >= len(run.sampler) and plan.scheme == LEGACY_SCHEME and old_world != plan.world:
-        raise ConfigError(  # its padding made epochs one global batch longer on some rank counts
-            f"the checkpoint is at batch {position} of its epoch, written by the rank-strided sampler of older "
-            f"releases on {old_world} ranks; on {plan.world} ranks its epoch has {len(run.sampler)} global "
-            f"batches: resume it on {old_world} ranks until the next epoch begins")
     if position >= len(run.sampler):
+        if plan.scheme == LEGACY_SCHEME and old_world != plan.world:
+            raise ConfigError(  # its padding made epochs one global batch longer on some rank counts
+                f"the checkpoint is at batch {position} of its epoch, written by the rank-strided sampler of older "
+                f"releases on {old_world} ranks; on {plan.world} ranks its epoch has {len(run.sampler)} global "
+                f"batches: resume it on {old_world} ranks until the next epoch begins")
         raise CheckpointLoadError(
             f"the checkpoint is at batch {position} of its epoch, but an epoch of this data has {len(run.sampler)} "
             f"global batches: it was written for other --data, or is damaged; resume it with its own --data, "
