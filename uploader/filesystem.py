@@ -34,6 +34,7 @@ from uploader.destination import Destination
 from uploader.exceptions import (Aborted, AuthError, BucketNotFound, CorruptCheckpoint, RemoteInTheWay,
                                  StorageError)
 from uploader.hashing import CHUNK, StreamDigest, fsync_path, tagged
+from uploader.local import local_read_error
 from uploader.manifest import open_regular
 from uploader.remote import ObjectInfo, OnBytes, file_location
 
@@ -134,11 +135,12 @@ class FileRemote:
         on_bytes: OnBytes | None = None,
         abort: threading.Event | None = None,
     ) -> None:
-        with self._atomic(key) as tmp, contextlib.ExitStack() as stack:
-            try:  # never through a link, never past the size (a planted /dev/zero): uploader.sync checks both
+        with contextlib.ExitStack() as stack:
+            try:  # before anything is written: never through a link, never past the size (a planted /dev/zero)
                 src = stack.enter_context(open_regular(path))
             except OSError as e:
-                raise CorruptCheckpoint(f"cannot read {path}: {e.strerror}") from None
+                raise local_read_error(path, e) from None
+            tmp = stack.enter_context(self._atomic(key))
             with open(tmp, "wb") as dst:
                 actual_size, actual_digest = _copy(src, dst, block_size, algorithm, on_bytes, abort, limit=size + 1)
             if actual_size != size or actual_digest != digest:

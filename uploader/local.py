@@ -330,6 +330,15 @@ def _is_regular(path: Path) -> bool:
         return False
 
 
+def local_read_error(path: Path, e: OSError) -> LocalAccessError | CorruptCheckpoint:
+    """What an upload's failure to read a local checkpoint file is: a user who may not read it
+    (LocalAccessError, exit 3, the file left as it is) or a file that is not what it should be
+    (CorruptCheckpoint: uploader.sync sets the checkpoint aside)."""
+    if isinstance(e, PermissionError):
+        return not_readable(path, e)
+    return CorruptCheckpoint(f"cannot read {path}: {e.strerror or e}")
+
+
 def not_readable(path: Path, e: OSError) -> LocalAccessError:
     """A sidecar running as another user than the job: its checkpoints are good, only not readable here.
     Setting them aside as corrupt (as before) lost the newest one to every later start; skipping them, a

@@ -77,7 +77,8 @@ class Remote(Protocol):
         """Upload a local file whose size and digest (of ``algorithm``, with ``block_size``: a manifest
         entry's) must match; the digest is stored with the object. CorruptCheckpoint only for the local
         file (unreadable, or not what the manifest says): uploader.sync holds the local checkpoint at fault
-        for it, so a failure of the remote must be another error (StorageError)."""
+        for it, so a failure of the remote must be another error (StorageError). A local file this user may
+        not read is LocalAccessError (uploader.local.local_read_error), never the checkpoint's fault."""
         ...
 
     def get_file(

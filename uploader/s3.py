@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 import boto3
 from botocore import exceptions as boto_errors
@@ -67,6 +67,7 @@ from uploader.hashing import (
     pwrite_all,
     tagged,
 )
+from uploader.local import local_read_error
 from uploader.manifest import open_regular
 from uploader.parallel import ordered_map
 from uploader.redact import redact_url
@@ -334,16 +335,18 @@ class S3Remote:
         on_bytes: OnBytes | None = None,
         abort: threading.Event | None = None,
     ) -> None:
-        try:
-            actual = path.stat().st_size
-        except OSError as e:
-            raise CorruptCheckpoint(f"cannot read {path}: {e.strerror}") from None
-        if actual != size:
-            raise CorruptCheckpoint(f"{path} has {actual} bytes, the manifest says {size}")
-        if size < self.config.multipart_threshold:
-            self._put_single(key, path, size, digest, algorithm, block_size, on_bytes, abort)
-        else:
-            self._put_multipart(key, path, size, digest, algorithm, block_size, on_bytes, abort)
+        with contextlib.ExitStack() as stack:
+            try:  # opened before any request: never through a link, and read no further than its size
+                src = stack.enter_context(open_regular(path))
+                actual = os.fstat(src.fileno()).st_size
+            except OSError as e:
+                raise local_read_error(path, e) from None
+            if actual != size:
+                raise CorruptCheckpoint(f"{path} has {actual} bytes, the manifest says {size}")
+            if size < self.config.multipart_threshold:
+                self._put_single(key, path, src, size, digest, algorithm, block_size, on_bytes, abort)
+            else:
+                self._put_multipart(key, path, src, size, digest, algorithm, block_size, on_bytes, abort)
 
     def get_file(
         self,
@@ -456,11 +459,15 @@ class S3Remote:
     # -- transfers ------------------------------------------------------------------------------
 
     def _put_single(
-        self, key: str, path: Path, size: int, digest: str, algorithm: str, block_size: int | None,
+        self, key: str, path: Path, src: BinaryIO, size: int, digest: str, algorithm: str, block_size: int | None,
         on_bytes: OnBytes | None, abort: threading.Event | None
     ) -> None:
-        """Small files: read once into memory, check, then PUT (a retry re-sends the same bytes)."""
-        data = _read_local(path, size)
+        """Small files: read once into memory (one byte more than ``size``: a file grown since shows),
+        check, then PUT (a retry re-sends the same bytes)."""
+        try:
+            data = src.read(size + 1)
+        except OSError as e:
+            raise local_read_error(path, e) from None
         if len(data) != size or digest_bytes(data, block_size, algorithm) != digest:
             raise CorruptCheckpoint(f"{path} does not match its manifest (size or {algorithm}); not uploading it")
         self._call(
@@ -475,7 +482,7 @@ class S3Remote:
             on_bytes(size)
 
     def _put_multipart(
-        self, key: str, path: Path, size: int, digest: str, algorithm: str, block_size: int | None,
+        self, key: str, path: Path, src: BinaryIO, size: int, digest: str, algorithm: str, block_size: int | None,
         on_bytes: OnBytes | None, abort: threading.Event | None
     ) -> None:
         """Large files: parts read in order, sent ``concurrency`` at a time, hashed as they are read
@@ -501,18 +508,17 @@ class S3Remote:
         def chunks() -> Iterator[tuple[int, bytes]]:
             nonlocal read
             try:
-                with open_regular(path) as f:  # never through a link, never past the size: uploader.sync
-                    number = 1
-                    while read < size and (chunk := f.read(min(part_size, size - read))):
-                        if sent_digest.in_order is not None:
-                            sent_digest.in_order.update(chunk)
-                        read += len(chunk)
-                        yield number, chunk
-                        number += 1
-                    if f.read(1):  # longer than the manifest says (grown since): refused below
-                        read += 1
+                number = 1
+                while read < size and (chunk := src.read(min(part_size, size - read))):
+                    if sent_digest.in_order is not None:
+                        sent_digest.in_order.update(chunk)
+                    read += len(chunk)
+                    yield number, chunk
+                    number += 1
+                if src.read(1):  # longer than the manifest says (grown since): refused below
+                    read += 1
             except OSError as e:
-                raise CorruptCheckpoint(f"cannot read {path}: {e.strerror}") from None
+                raise local_read_error(path, e) from None
 
         def send(item: tuple[int, bytes]) -> dict[str, Any]:
             number, chunk = item
@@ -667,13 +673,3 @@ def _stream_into(body: Any, dest: Destination, offset: int, length: int, chunk: 
         # Read to its end past urllib3, which therefore does not know it can reuse the connection:
         # hand it back to the pool, as urllib3's own read does, instead of closing it with the body.
         body._raw_stream.release_conn()
-
-
-def _read_local(path: Path, size: int) -> bytes:
-    """A small local file, never through a link and never more than one byte past ``size`` (a planted
-    /dev/zero), so that the check after it sees the difference."""
-    try:
-        with open_regular(path) as f:
-            return f.read(size + 1)
-    except OSError as e:
-        raise CorruptCheckpoint(f"cannot read {path}: {e.strerror}") from None

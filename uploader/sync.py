@@ -195,10 +195,15 @@ def set_aside_local(ckpt: LocalCheckpoint, error: LocalCheckpointError) -> None:
 
 def _manifest_bytes(ckpt: LocalCheckpoint) -> bytes | None:
     try:
-        with open_regular(ckpt.path / MANIFEST_NAME) as f:
-            return f.read(MAX_MANIFEST_BYTES + 1)
+        return _read_manifest(ckpt)
     except OSError:
         return None
+
+
+def _read_manifest(ckpt: LocalCheckpoint) -> bytes:
+    """A local manifest's bytes, as far as one can be (one byte more: too long to parse)."""
+    with open_regular(ckpt.path / MANIFEST_NAME) as f:
+        return f.read(MAX_MANIFEST_BYTES + 1)
 
 
 def pull_newest(remote: Remote, folder: Path, *, abort: threading.Event | None = None,
@@ -351,9 +356,6 @@ def _put_file(remote: Remote, key: str, ckpt: LocalCheckpoint, entry: FileEntry,
     path = ckpt.path / entry.path
     try:
         st = lstat_inside(ckpt.path, entry.path)
-        if stat.S_ISREG(st.st_mode):
-            with open_regular(path):  # readable by this user? put_file's own failure to open is "corrupt"
-                pass
     except PermissionError as e:
         raise not_readable(path, e) from None
     except OSError as e:
@@ -373,8 +375,7 @@ def _local_manifest(ckpt: LocalCheckpoint) -> tuple[bytes, Manifest]:
     """The manifest of the local checkpoint to upload, raw and parsed (its node fields checked too);
     LocalCheckpointError if it cannot be used."""
     try:
-        with open_regular(ckpt.path / MANIFEST_NAME) as f:
-            raw = f.read(MAX_MANIFEST_BYTES + 1)
+        raw = _read_manifest(ckpt)
     except PermissionError as e:
         raise not_readable(ckpt.path / MANIFEST_NAME, e) from None
     except OSError as e:
