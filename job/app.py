@@ -24,7 +24,7 @@ from job.exceptions import ConfigError
 from job.ledger import Ledger
 from job.logs import event
 from job.loop import Trainer, unwrap
-from job.resume import check_new_run, resume
+from job.resume import check_new_run, expects_checkpoint, resume
 from job.schedule import resolve_at_start
 from job.signals import StopRequest
 from job.spot import SpotWatcher
@@ -234,7 +234,7 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
             check_new_run(ckpt_cfg, store)
         if store is not None:  # while the pull runs: read-only credentials fail before the model is built
             store.check_writable()
-        run = build(cfg)
+        run = build(cfg, defer_init=expects_checkpoint(ckpt_cfg, store))
         event(logger, "built", model=cfg.model)
         state = run.state
         if cfg.max_duration.unit == TimeUnit.TOKEN and not hasattr(unwrap(state.model), "num_tokens"):
@@ -246,6 +246,8 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
                                     on_commit=store.submit if store is not None else None,
                                     pin_memory=cfg.device == "cuda", sharded=cfg.sharded)
         resumed = resume(state, ckpt_cfg, checkpointer, meta, store, run.mesh, pulling)
+        if resumed is None:
+            run.initialise()
         plan = elastic.fresh_plan(cfg, run.world_size)
         if resumed is not None:
             plan = elastic.resumed_plan(resumed, cfg, run.world_size)

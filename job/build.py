@@ -9,14 +9,15 @@ import logging
 import math
 import signal
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import Any, Callable
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 
-from job import distributed
+from job import deferred_init, distributed
 from job.config import TrainConfig
 from job.exceptions import ConfigError
 from job.plugins import data_factory, model_factory
@@ -36,6 +37,13 @@ class Run:
     world_size: int = 1
     mesh: DeviceMesh | None = None  # set when the model is sharded (FSDP2)
     schedule_steps: int | None = None  # the LR schedule's length the flags ask for (None: no schedule)
+    pending_init: Callable[[], None] | None = None  # set while the model's weights are uninitialised
+
+    def initialise(self) -> None:
+        """Called when no checkpoint was loaded: a model built uninitialised gets a normal start's weights."""
+        if self.pending_init is not None:
+            self.pending_init()
+            self.pending_init = None
 
 
 def _dataset(factory: Any, split: str, spec: str) -> Dataset:
@@ -87,14 +95,20 @@ def leave_stop_signals_to_the_job(worker_id: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-def build(cfg: TrainConfig) -> Run:
+def build(cfg: TrainConfig, defer_init: bool = False) -> Run:
+    """``defer_init``: a checkpoint is expected to be loaded, so a model that allows it is left uninitialised
+    (job.deferred_init; one process, not sharded), and ``Run.initialise`` gives it its weights if none is."""
     rank, world = distributed.rank(), distributed.world_size()
-    seed_all(cfg.seed + rank)  # State.seed: rank_zero_seed + rank (DDP then copies rank 0's weights)
+
+    def seed() -> None:
+        seed_all(cfg.seed + rank)  # State.seed: rank_zero_seed + rank (DDP then copies rank 0's weights)
+
+    seed()
     device = torch.device(cfg.device)
-    model = model_factory(cfg.model)()
+    factory = model_factory(cfg.model)
+    model, deferred = deferred_init.construct(factory, device, defer=defer_init and world == 1 and not cfg.sharded)
     if not isinstance(model, torch.nn.Module) or not callable(getattr(model, "loss", None)):
         raise ConfigError(f"--model {cfg.model!r} must return a torch.nn.Module with forward(batch) and loss(outputs, batch)")
-    model.to(device)
     data = data_factory(cfg.data)
     train_ds, eval_ds = _dataset(data, "train", cfg.data), _dataset(data, "eval", cfg.data)
     if len(train_ds) < cfg.batch_size:
@@ -139,7 +153,8 @@ def build(cfg: TrainConfig) -> Run:
         train_metrics=train_metrics,
     )
     state.schedulers = schedulers
-    return Run(state=state, sampler=sampler, device=device, world_size=world, mesh=mesh, schedule_steps=steps)
+    return Run(state=state, sampler=sampler, device=device, world_size=world, mesh=mesh, schedule_steps=steps,
+               pending_init=partial(deferred_init.initialise, model, factory, seed) if deferred else None)
 
 
 def refit_schedule(run: Run, lr: float) -> None:

@@ -38,6 +38,8 @@ def spirals(split: str) -> Dataset:
 class MLP(nn.Module):
     """A small classifier with dropout (so resuming must restore the RNG to be exact)."""
 
+    skip_init_on_resume = True  # its state_dict is all it computes with (job.deferred_init)
+
     def __init__(self, in_dim: int = 2, hidden: int = 128, depth: int = 3, classes: int = SPIRAL_CLASSES,
                  dropout: float = 0.1) -> None:
         super().__init__()

@@ -26,6 +26,14 @@ from uploader.manifest import Manifest
 logger = logging.getLogger(__name__)
 
 
+def expects_checkpoint(cfg: CheckpointConfig, store: RemoteStore | None) -> bool:
+    """Whether this start will probably load a checkpoint, so that job.build may leave the model
+    uninitialised: --resume PATH, or a bucket or local checkpoints to resume from."""
+    if cfg.resume == "never":
+        return False
+    return cfg.resume != "auto" or store is not None or bool(local.list_committed(cfg.folder))
+
+
 def choose(cfg: CheckpointConfig, checkpointer: Checkpointer, store: RemoteStore | None,
            pulling: Future[LocalCheckpoint | None] | None = None) -> tuple[Path, Manifest, str] | None:
     """The checkpoint to resume from (rank 0 only): --resume PATH, or the newest of local and remote.
