@@ -9,8 +9,10 @@ Arms, interleaved, every one from a fresh local folder against the same SeaweedF
 
 * ``inprocess`` (the headline, fairer): ``job.app.train`` called in this process, torch and boto3
   already imported, timed from the call to the moment the first step starts (the loop's first
-  ``should_stop``), and to the end of that first step. Includes building the model (random init),
-  which a resume pays and the floor does not.
+  ``should_stop``), and to the end of that first step. Includes building the model, which a resume
+  pays and the floor does not (without its random initialisation: job.deferred_init).
+* ``initialised``: the same, with the model's random initialisation that job.deferred_init skips done
+  as before it (job.app's ``expects_checkpoint`` answering no): what the skipping gains, in the same run.
 * ``process``: the real ``job train --remote s3://... --max-duration <step+2>ba`` as a subprocess,
   timed from just before spawning it to the ``start`` event (training begins) and to the first
   ``progress`` event (first step done), from the JSON log's ``ts``. This includes process start-up.
@@ -28,6 +30,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 from typing import Any
 
 if __package__ in (None, ""):  # run as `python bench/resume_startup.py`
@@ -98,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     rounds = args.rounds or (1 if args.smoke else 3)
     import torch
 
+    import job.app
     from job.app import train
     from job.storage import RemoteConfig
     from tests.support.jobs import ckpt_config, events
@@ -117,10 +121,12 @@ def main(argv: list[str] | None = None) -> int:
         counter = iter(range(10 ** 6))
         env = bucket.env()
 
-        def inprocess() -> dict[str, float]:
+        def inprocess(defer: bool = True) -> dict[str, float]:
             clock, times = FirstSteps(), EventTimes()
             folder = workdir / f"in-{next(counter)}"
-            with listening("job", times), listening("uploader.sync", times):
+            with listening("job", times), listening("uploader.sync", times), \
+                    mock.patch.object(job.app, "expects_checkpoint", job.app.expects_checkpoint if defer
+                                      else (lambda *_: False)):
                 started = time.perf_counter()
                 outcome = train(resume_cfg, ckpt_config(folder), remote, stop=clock)
             shutil.rmtree(folder)  # like the floor's file: no round leaves its page cache and disk to the next
@@ -168,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
             path.unlink()
             return {"download": downloaded - started, "load": done - downloaded, "total": done - started}
 
-        results = interleaved({"inprocess": inprocess, "process": process, "startup": startup, "floor": floor},
+        results = interleaved({"inprocess": inprocess, "initialised": lambda: inprocess(defer=False),
+                               "process": process, "startup": startup, "floor": floor},
                               rounds=rounds, log=progress)
 
     def med(arm: str, key: str | None = None) -> float:
@@ -182,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
           f"sha256, commit), resumed {med('inprocess', 'resumed'):.2f} s (+ torch.load, "
           f"load_state_dict), first step starts {med('inprocess', 'ready'):.2f} s, first step done "
           f"{med('inprocess', 'first_step'):.2f} s")
+    print(f"the same with the model's random initialisation (not skipped): first step starts "
+          f"{med('initialised', 'ready'):.2f} s, {med('initialised', 'ready') / floor_s:.3g}x the floor")
     print(f"process `job train`: resumed {med('process', 'resumed'):.2f} s, first step starts "
           f"{med('process', 'ready'):.2f} s, first step done {med('process', 'first_step'):.2f} s; "
           f"of which process start-up (python + torch + boto3 imports) {start_s:.2f} s")
