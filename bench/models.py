@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from job.builtin import MLP
+from job.deferred_init import skip_init_on_resume
 
 # --size name -> --model spec. "smoke" is the built-in tiny MLP (~0.4 MB of state).
 SIZES = {
@@ -31,26 +32,31 @@ SIZES = {
 FOREVER = "1000000000ba"  # an interval or duration never reached: "no checkpoint", "no eval"
 
 
+@skip_init_on_resume
 def mlp_100mb() -> nn.Module:
     """8.4M parameters: 101 MB of fp32 state with AdamW."""
     return MLP(hidden=1024, depth=9)
 
 
+@skip_init_on_resume
 def mlp_200mb() -> nn.Module:
     """16.8M parameters: 202 MB of state."""
     return MLP(hidden=2048, depth=5)
 
 
+@skip_init_on_resume
 def mlp_400mb() -> nn.Module:
     """33.6M parameters: 403 MB of state."""
     return MLP(hidden=2048, depth=9)
 
 
+@skip_init_on_resume
 def mlp_600mb() -> nn.Module:
     """50.3M parameters: 604 MB of state (issue 19's "600 MB CPU state")."""
     return MLP(hidden=2048, depth=13)
 
 
+@skip_init_on_resume
 def mlp_1gb() -> nn.Module:
     """84M parameters: 1.01 GB of state."""
     return MLP(hidden=4096, depth=6)

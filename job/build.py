@@ -105,8 +105,9 @@ def build(cfg: TrainConfig, defer_init: bool = False) -> Run:
 
     seed()
     device = torch.device(cfg.device)
-    factory = model_factory(cfg.model)
-    model, deferred = deferred_init.construct(factory, device, defer=defer_init and world == 1 and not cfg.sharded)
+    factory, name = model_factory(cfg.model), f"--model {cfg.model!r}"
+    model, deferred = deferred_init.construct(factory, device, defer_init and world == 1 and not cfg.sharded, name)
+    rng_kept = deferred_init.rng_kept()
     if not isinstance(model, torch.nn.Module) or not callable(getattr(model, "loss", None)):
         raise ConfigError(f"--model {cfg.model!r} must return a torch.nn.Module with forward(batch) and loss(outputs, batch)")
     data = data_factory(cfg.data)
@@ -153,8 +154,12 @@ def build(cfg: TrainConfig, defer_init: bool = False) -> Run:
         train_metrics=train_metrics,
     )
     state.schedulers = schedulers
+    if deferred and not rng_kept():  # built from other random draws than a normal start's (job.deferred_init)
+        logger.info("--data %r draws from the global random generators when it is built: the model is built "
+                    "with its random initialisation, as on a normal start", cfg.data)
+        return build(cfg)
     return Run(state=state, sampler=sampler, device=device, world_size=world, mesh=mesh, schedule_steps=steps,
-               pending_init=partial(deferred_init.initialise, model, factory, seed) if deferred else None)
+               pending_init=partial(deferred_init.initialise, model, factory, seed, name) if deferred else None)
 
 
 def refit_schedule(run: Run, lr: float) -> None:

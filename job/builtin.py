@@ -14,6 +14,8 @@ from torch.utils.data import Dataset, TensorDataset
 from torchmetrics import Metric
 from torchmetrics.classification import MulticlassAccuracy
 
+from job.deferred_init import skip_init_on_resume
+
 SPIRAL_CLASSES = 3
 
 
@@ -38,8 +40,6 @@ def spirals(split: str) -> Dataset:
 class MLP(nn.Module):
     """A small classifier with dropout (so resuming must restore the RNG to be exact)."""
 
-    skip_init_on_resume = True  # its state_dict is all it computes with (job.deferred_init)
-
     def __init__(self, in_dim: int = 2, hidden: int = 128, depth: int = 3, classes: int = SPIRAL_CLASSES,
                  dropout: float = 0.1) -> None:
         super().__init__()
@@ -62,10 +62,12 @@ class MLP(nn.Module):
         return {"accuracy": MulticlassAccuracy(num_classes=self.classes, average="micro")}
 
 
+@skip_init_on_resume  # its state_dict is all it computes with (job.deferred_init)
 def mlp() -> nn.Module:
     return MLP()
 
 
+@skip_init_on_resume
 def mlp_large() -> nn.Module:
     """About 100M parameters on the same task: for GPU and checkpoint-speed benchmarks."""
     return MLP(hidden=4096, depth=7)

@@ -11,53 +11,98 @@ number generators' state after it, are those of a start that never deferred.
 
 Only a model whose state_dict holds everything it computes with can be left uninitialised: a
 non-persistent buffer (a rotary cache) or a plain tensor attribute would keep garbage after the load.
-That cannot be seen from outside in general, so a model opts in with a class attribute
-``skip_init_on_resume = True`` (job.builtin's models do); what can be seen (non-persistent buffers,
-tensor attributes) is still checked, and such a model is built as usual with a warning.
+That cannot be seen from outside in general, so a --model factory opts in: a class or function with
+the attribute ``skip_init_on_resume = True`` (the decorator below; job.builtin's models do). A factory
+that does not opt in is called once, as before. What can be seen (non-persistent buffers, tensor
+attributes, lazy parameters) is still checked, and such a model is built as usual with a warning.
+
+The data set is built after the model. A normal start builds it from the generators' state after the
+model's initialisation; a deferred one from the seeded state. So job.build checks that nothing after the
+model draws from the global generators, and builds again without deferring where something does.
 """
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
+from torch.nn.parameter import UninitializedTensorMixin
+
+from job.exceptions import ConfigError
+from job.safe_load import clip
+from state import capture_rng
 
 logger = logging.getLogger(__name__)
 
 OPT_IN = "skip_init_on_resume"
+Factory = TypeVar("Factory", bound=Callable[..., Any])
 
 
-def construct(factory: Callable[[], nn.Module], device: torch.device, defer: bool) -> tuple[nn.Module, bool]:
+def skip_init_on_resume(factory: Factory) -> Factory:
+    """Marks a --model factory whose models' state_dict holds everything they compute with."""
+    setattr(factory, OPT_IN, True)
+    return factory
+
+
+def construct(factory: Callable[[], nn.Module], device: torch.device, defer: bool,
+              name: str = "--model") -> tuple[nn.Module, bool]:
     """The model on ``device``, and whether its initialisation was deferred (then its values are garbage
     until a checkpoint is loaded into it, or ``initialise`` runs)."""
-    if defer:
+    if defer and getattr(factory, OPT_IN, False) is True:
         try:
             with torch.device("meta"):
                 shell = factory()
         except Exception as e:  # noqa: BLE001 - user code; the normal build below raises its real errors
-            logger.warning("--model could not be built on the meta device (%s): built with its random "
-                           "initialisation", str(e).splitlines()[0] if str(e) else type(e).__name__)
+            logger.warning("%s could not be built on the meta device (%s): built with its random initialisation",
+                           name, clip(str(e).splitlines()[0] if str(e) else type(e).__name__, 200))
         else:
-            if isinstance(shell, nn.Module) and getattr(shell, OPT_IN, False) is True:
-                problem = _incomplete(shell)
-                if problem is None:
-                    _materialise(shell, device)
-                    return shell, True
-                logger.warning("%s sets %s but %s: built with its random initialisation, which a resume then "
-                               "overwrites", type(shell).__name__, OPT_IN, problem)
+            problem = _incomplete(shell) if isinstance(shell, nn.Module) else "is not a torch.nn.Module"
+            if problem is None:
+                _materialise(shell, device)
+                return shell, True
+            logger.warning("%s opts in to %s but its model %s: built with its random initialisation",
+                           name, OPT_IN, problem)
     model = factory()
     if isinstance(model, nn.Module):
         model.to(device)
     return model, False
 
 
-def initialise(model: nn.Module, factory: Callable[[], nn.Module], seed: Callable[[], None]) -> None:
-    """Give a deferred model the weights a normal start gives it: ``seed()`` (job.build's seeding), the
-    factory's random initialisation on the CPU as a normal start does it, copied into ``model``."""
+def rng_kept() -> Callable[[], bool]:
+    """A check that no global generator (python, numpy, torch, CUDA) has been drawn from since this call."""
+    before = capture_rng()
+    return lambda: _same(before, capture_rng())
+
+
+def initialise(model: nn.Module, factory: Callable[[], nn.Module], seed: Callable[[], None],
+               name: str = "--model") -> None:
+    """Give a deferred model the weights a normal start gives it: ``seed()`` (job.build's seeding), then
+    the factory's random initialisation on the CPU, as a normal start does it, moved into ``model`` (the
+    optimizer's parameters stay the model's; no second copy of the weights is kept)."""
     seed()
     fresh = factory()
-    model.load_state_dict(fresh.state_dict(), strict=True)
+    mine, theirs = model.state_dict(keep_vars=True), fresh.state_dict(keep_vars=True)
+    differs = [key for key in mine.keys() | theirs.keys() if key not in mine or key not in theirs
+               or (mine[key].shape, mine[key].dtype) != (theirs[key].shape, theirs[key].dtype)]
+    if differs:
+        raise ConfigError(f"{name} built two different models (they differ in {', '.join(sorted(differs)[:5])}): "
+                          f"a factory that sets {OPT_IN} must build the same model each time")
+    with torch.no_grad():
+        for key, target in mine.items():
+            target.data = theirs[key].detach().to(target.device)
+    _flatten_rnns(model)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(map(_same, a, b))
+    return bool(a == b)
 
 
 def _incomplete(model: nn.Module) -> str | None:
@@ -69,20 +114,26 @@ def _incomplete(model: nn.Module) -> str | None:
         tensors = sorted(key for key, value in vars(module).items() if isinstance(value, torch.Tensor))
         if tensors:
             return f"keeps tensors outside its parameters and buffers{where} ({', '.join(tensors)})"
+        lazy = [key for key, t in [*module._parameters.items(), *module._buffers.items()]
+                if isinstance(t, UninitializedTensorMixin)]
+        if lazy:
+            return f"has lazy parameters{where} ({', '.join(lazy)})"
     return None
 
 
 def _materialise(model: nn.Module, device: torch.device) -> None:
-    """Allocate every parameter and buffer on ``device``, uninitialised, keeping tied ones tied.
+    """Allocate every parameter and buffer on ``device``, uninitialised, in the meta tensor's layout (a
+    channels_last weight stays one), keeping tied ones tied.
 
     Not ``Module.to_empty``: its ``empty_like`` of a meta tensor goes through torch's Python reference
-    implementation, whose first call imports torch.fx's symbolic shapes (0.2-0.3 s, once per process).
+    implementation, whose first call imports torch.fx's symbolic shapes (0.2-0.3 s, once per process), and
+    it unties tied weights.
     """
     made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # by the meta tensor's id, kept alive with it
 
     def empty(t: torch.Tensor) -> torch.Tensor:
         if id(t) not in made:
-            new = torch.empty(t.shape, dtype=t.dtype, device=device)
+            new = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
             made[id(t)] = t, nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new
         return made[id(t)][1]
 
@@ -90,3 +141,11 @@ def _materialise(model: nn.Module, device: torch.device) -> None:
         for name, tensor in [*module.named_parameters(recurse=False, remove_duplicate=False),
                              *module.named_buffers(recurse=False, remove_duplicate=False)]:
             setattr(module, name, empty(tensor))
+    _flatten_rnns(model)
+
+
+def _flatten_rnns(model: nn.Module) -> None:
+    """What ``Module.to`` does for recurrent layers: their weights in one chunk for cuDNN (no-op on CPU)."""
+    for module in model.modules():
+        if isinstance(module, nn.RNNBase):
+            module.flatten_parameters()

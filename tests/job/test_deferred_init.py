@@ -9,9 +9,13 @@ import pytest
 import torch
 from torch import nn
 
+from torch.utils.data import TensorDataset
+
 from job import deferred_init
 from job.build import build
+from job.storage import RemoteConfig
 from tests.support.jobs import assert_states_equal, ckpt_config, train_state
+from uploader.config import UploadConfig
 
 CPU = torch.device("cpu")
 
@@ -37,6 +41,17 @@ def _inits_counted(monkeypatch) -> list[str]:
     for name in ("kaiming_uniform_", "uniform_"):
         monkeypatch.setattr(nn.init, name, counted(name))
     return calls
+
+
+def noisy(split: str) -> TensorDataset:
+    """A --data set drawn from the global torch generator when built (the README allows it)."""
+    x = torch.randn(512 if split == "train" else 128, 2)
+    return TensorDataset(x, (x[:, 0] * x[:, 1] > 0).long() + (x[:, 0] > 1).long())
+
+
+def _empty_remote(tmp_path) -> RemoteConfig:
+    """A --remote with nothing in it: the start expects a checkpoint and finds none."""
+    return RemoteConfig(url=f"file://{tmp_path / 'bucket'}", mode="inprocess", upload=UploadConfig())
 
 
 def test_a_deferred_start_that_loads_nothing_equals_a_normal_start(tiny_config):
@@ -70,10 +85,37 @@ def test_a_resume_skips_the_random_initialisation_and_equals_an_uninterrupted_ru
     assert calls  # the count sees a normal start's initialisation
 
 
-def test_a_start_with_nothing_to_resume_initialises_as_before(tiny_config, tmp_path, monkeypatch):
+@pytest.mark.parametrize("data", ["spirals", f"{__name__}:noisy"])
+def test_a_first_start_with_an_empty_remote_equals_a_start_that_expects_nothing(tiny_config, tmp_path, monkeypatch,
+                                                                              data):
+    cfg = tiny_config(data=data, max_duration="12ba")
+    normal = train_state(cfg, ckpt_config(tmp_path / "normal", resume="never"))
     calls = _inits_counted(monkeypatch)
-    state = train_state(tiny_config(max_duration="2ba"), ckpt_config(tmp_path / "new"))
-    assert calls and state.timer.batch.value == 2
+    deferred = train_state(cfg, ckpt_config(tmp_path / "deferred"), remote_cfg=_empty_remote(tmp_path))
+    assert calls  # initialised after all, once nothing was found
+    assert_states_equal(normal, deferred)
+
+
+def test_a_resume_with_data_drawn_from_the_global_generator_equals_an_uninterrupted_run(tiny_config, tmp_path):
+    cfg = tiny_config(data=f"{__name__}:noisy", max_duration="20ba")
+    straight = train_state(cfg, ckpt_config(tmp_path / "straight"))
+    train_state(cfg, ckpt_config(tmp_path / "resumed"), stop_at=9)
+    assert_states_equal(straight, train_state(cfg, ckpt_config(tmp_path / "resumed")))
+
+
+def test_a_factory_that_does_not_opt_in_is_called_once_as_before(caplog):
+    calls = []
+
+    def factory() -> nn.Module:
+        calls.append(random.random())
+        layer = nn.Linear(2, 2)
+        layer.threshold = float(layer.weight.sum().item())  # a value: impossible on the meta device
+        return layer
+
+    with caplog.at_level(logging.DEBUG, logger="job.deferred_init"):
+        model, deferred = deferred_init.construct(factory, CPU, defer=True)
+    assert not deferred and len(calls) == 1 and model.weight.device == CPU
+    assert [r for r in caplog.records if r.name == "job.deferred_init"] == []
 
 
 class _TiedPair(nn.Module):
@@ -103,6 +145,20 @@ class _NoOptIn(_TiedPair):
     skip_init_on_resume = False
 
 
+class _Lazy(_TiedPair):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tail = nn.LazyLinear(8)
+
+
+class _ChannelsLast(nn.Module):
+    skip_init_on_resume = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3).to(memory_format=torch.channels_last)
+
+
 class _DataDependent(_TiedPair):
     def __init__(self) -> None:
         super().__init__()
@@ -116,14 +172,17 @@ def test_a_deferred_model_is_allocated_on_the_device_with_its_ties_kept():
     assert all(t.device == CPU for t in [*model.parameters(), *model.buffers()])
     assert all(isinstance(p, nn.Parameter) and p.requires_grad for p in model.parameters())
     assert set(model.state_dict()) == set(_TiedPair().state_dict())
+    layout, _ = deferred_init.construct(_ChannelsLast, CPU, defer=True)
+    assert layout.conv.weight.stride() == _ChannelsLast().conv.weight.stride() != (36, 9, 3, 1)
 
 
 @pytest.mark.parametrize("factory, warned", [
     (_Cache, "non-persistent buffers (cache)"),
     (_Attribute, "keeps tensors outside its parameters and buffers (table)"),
+    (_Lazy, "has lazy parameters in tail (weight, bias)"),
     (_DataDependent, "could not be built on the meta device"),
     (_NoOptIn, None),
-], ids=["non-persistent-buffer", "tensor-attribute", "data-dependent", "no-opt-in"])
+], ids=["non-persistent-buffer", "tensor-attribute", "lazy", "data-dependent", "no-opt-in"])
 def test_a_model_that_a_checkpoint_would_not_fully_restore_is_initialised(caplog, factory, warned):
     torch.manual_seed(3)
     expected = factory().state_dict()
@@ -132,7 +191,8 @@ def test_a_model_that_a_checkpoint_would_not_fully_restore_is_initialised(caplog
         model, deferred = deferred_init.construct(factory, CPU, defer=True)
     assert not deferred
     for name, value in model.state_dict().items():
-        assert torch.equal(value, expected[name]), name
+        if not isinstance(value, nn.parameter.UninitializedTensorMixin):
+            assert torch.equal(value, expected[name]), name
     if factory is _Cache:
         assert torch.equal(model.cache, torch.arange(8.0))
     messages = [r.getMessage() for r in caplog.records if r.name == "job.deferred_init"]
