@@ -5,6 +5,7 @@ same order on a fresh start and on a resume, so a resume only has to overwrite s
 """
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import signal
@@ -98,6 +99,16 @@ def leave_stop_signals_to_the_job(worker_id: int) -> None:
 def build(cfg: TrainConfig, defer_init: bool = False) -> Run:
     """``defer_init``: a checkpoint is expected to be loaded, so a model that allows it is left uninitialised
     (job.deferred_init; one process, not sharded), and ``Run.initialise`` gives it its weights if none is."""
+    run = _assemble(cfg, defer_init)
+    if run is None:  # the first assembly is gone (a reference cycle freed too) before the second allocates
+        gc.collect()
+        run = _assemble(cfg, defer_init=False)
+    return run
+
+
+def _assemble(cfg: TrainConfig, defer_init: bool) -> Run | None:
+    """The Run; None where the model was deferred and something built after it drew from the global random
+    generators (a --data set drawn with torch.randn): it would differ from a normal start's."""
     rank, world = distributed.rank(), distributed.world_size()
 
     def seed() -> None:
@@ -107,7 +118,7 @@ def build(cfg: TrainConfig, defer_init: bool = False) -> Run:
     device = torch.device(cfg.device)
     factory, name = model_factory(cfg.model), f"--model {cfg.model!r}"
     model, deferred = deferred_init.construct(factory, device, defer_init and world == 1 and not cfg.sharded, name)
-    rng_kept = deferred_init.rng_kept()
+    rng_kept = deferred_init.rng_kept() if deferred else None
     if not isinstance(model, torch.nn.Module) or not callable(getattr(model, "loss", None)):
         raise ConfigError(f"--model {cfg.model!r} must return a torch.nn.Module with forward(batch) and loss(outputs, batch)")
     data = data_factory(cfg.data)
@@ -154,10 +165,10 @@ def build(cfg: TrainConfig, defer_init: bool = False) -> Run:
         train_metrics=train_metrics,
     )
     state.schedulers = schedulers
-    if deferred and not rng_kept():  # built from other random draws than a normal start's (job.deferred_init)
-        logger.info("--data %r draws from the global random generators when it is built: the model is built "
-                    "with its random initialisation, as on a normal start", cfg.data)
-        return build(cfg)
+    if rng_kept is not None and not rng_kept():  # built from other draws than on a normal start
+        logger.info("something built after the model (--data %r, its metrics) draws from the global random "
+                    "generators: the model is built with its random initialisation, as on a normal start", cfg.data)
+        return None
     return Run(state=state, sampler=sampler, device=device, world_size=world, mesh=mesh, schedule_steps=steps,
                pending_init=partial(deferred_init.initialise, model, factory, seed, name) if deferred else None)
 

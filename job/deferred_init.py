@@ -32,7 +32,7 @@ from torch.nn.parameter import UninitializedTensorMixin
 
 from job.exceptions import ConfigError
 from job.safe_load import clip
-from state import capture_rng
+from state import capture_rng, restore_rng
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +51,7 @@ def construct(factory: Callable[[], nn.Module], device: torch.device, defer: boo
     """The model on ``device``, and whether its initialisation was deferred (then its values are garbage
     until a checkpoint is loaded into it, or ``initialise`` runs)."""
     if defer and getattr(factory, OPT_IN, False) is True:
+        seeded = capture_rng()  # the meta attempt's python and numpy draws are undone for the normal build
         try:
             with torch.device("meta"):
                 shell = factory()
@@ -64,6 +65,7 @@ def construct(factory: Callable[[], nn.Module], device: torch.device, defer: boo
                 return shell, True
             logger.warning("%s opts in to %s but its model %s: built with its random initialisation",
                            name, OPT_IN, problem)
+        restore_rng(seeded)
     model = factory()
     if isinstance(model, nn.Module):
         model.to(device)
@@ -83,7 +85,7 @@ def initialise(model: nn.Module, factory: Callable[[], nn.Module], seed: Callabl
     optimizer's parameters stay the model's; no second copy of the weights is kept)."""
     seed()
     fresh = factory()
-    mine, theirs = model.state_dict(keep_vars=True), fresh.state_dict(keep_vars=True)
+    mine, theirs = _tensors(model), _tensors(fresh)
     differs = [key for key in mine.keys() | theirs.keys() if key not in mine or key not in theirs
                or (mine[key].shape, mine[key].dtype) != (theirs[key].shape, theirs[key].dtype)]
     if differs:
@@ -93,6 +95,12 @@ def initialise(model: nn.Module, factory: Callable[[], nn.Module], seed: Callabl
         for key, target in mine.items():
             target.data = theirs[key].detach().to(target.device)
     _flatten_rnns(model)
+
+
+def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer by name, tied ones under each of their names: the module's own tensors,
+    not what state_dict hooks make of them."""
+    return dict([*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)])
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import logging
 import random
+import sys
+import weakref
 
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ from torch.utils.data import TensorDataset
 from job import deferred_init
 from job.build import build
 from job.storage import RemoteConfig
+from state import seed_all
 from tests.support.jobs import assert_states_equal, ckpt_config, train_state
 from uploader.config import UploadConfig
 
@@ -127,6 +130,7 @@ class _TiedPair(nn.Module):
         self.head = nn.Linear(8, 8)
         self.head.weight = self.embed.weight
         self.register_buffer("scale", torch.ones(8))
+        self.draw = random.random() + float(np.random.rand())  # not in the state_dict: the same on every build
 
 
 class _Cache(_TiedPair):
@@ -184,12 +188,14 @@ def test_a_deferred_model_is_allocated_on_the_device_with_its_ties_kept():
     (_NoOptIn, None),
 ], ids=["non-persistent-buffer", "tensor-attribute", "lazy", "data-dependent", "no-opt-in"])
 def test_a_model_that_a_checkpoint_would_not_fully_restore_is_initialised(caplog, factory, warned):
-    torch.manual_seed(3)
-    expected = factory().state_dict()
-    torch.manual_seed(3)
+    seed_all(3)
+    built = factory()
+    expected, after_expected = built.state_dict(), _rng()
+    seed_all(3)
     with caplog.at_level(logging.WARNING, logger="job.deferred_init"):
         model, deferred = deferred_init.construct(factory, CPU, defer=True)
     assert not deferred
+    assert model.draw == built.draw and _rng()[1] == after_expected[1]  # the meta attempt's draws are undone
     for name, value in model.state_dict().items():
         if not isinstance(value, nn.parameter.UninitializedTensorMixin):
             assert torch.equal(value, expected[name]), name
@@ -197,3 +203,42 @@ def test_a_model_that_a_checkpoint_would_not_fully_restore_is_initialised(caplog
         assert torch.equal(model.cache, torch.arange(8.0))
     messages = [r.getMessage() for r in caplog.records if r.name == "job.deferred_init"]
     assert (messages == []) if warned is None else (len(messages) == 1 and warned in messages[0])
+
+
+class _Bf16Saved(_TiedPair):
+    """Computes in float32, saves bfloat16: its state_dict holds new tensors, not its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._register_state_dict_hook(lambda module, sd, prefix, meta: {k: v.to(torch.bfloat16) for k, v in sd.items()})
+
+
+def test_initialise_fills_the_models_own_tensors_whatever_its_state_dict_returns():
+    seed_all(5)
+    expected = {k: v.clone() for k, v in _Bf16Saved().named_parameters()}
+    model, deferred = deferred_init.construct(_Bf16Saved, CPU, defer=True)
+    assert deferred
+    deferred_init.initialise(model, _Bf16Saved, lambda: seed_all(5))
+    for name, value in model.named_parameters():
+        assert value.dtype == torch.float32 and torch.equal(value, expected[name]), name
+
+
+def test_a_build_that_starts_over_lets_go_of_the_deferred_model_first(tiny_config, monkeypatch):
+    shells: list[weakref.ref] = []
+    alive_at_second_data_build: list[bool] = []
+    materialise = deferred_init._materialise
+
+    def recorded(model: nn.Module, device: torch.device) -> None:
+        shells.append(weakref.ref(model))
+        materialise(model, device)
+
+    def data(split: str) -> TensorDataset:
+        if split == "train" and shells and len(alive_at_second_data_build) < 2:
+            alive_at_second_data_build.append(shells[0]() is not None)
+        return noisy(split)
+
+    monkeypatch.setattr(deferred_init, "_materialise", recorded)
+    monkeypatch.setattr(sys.modules[__name__], "noisy_recorded", data, raising=False)
+    run = build(tiny_config(data=f"{__name__}:noisy_recorded"), defer_init=True)
+    assert run.pending_init is None  # started over without deferring: the data set draws from torch's generator
+    assert alive_at_second_data_build == [True, False]
