@@ -112,24 +112,28 @@ def test_two_nodes_without_a_shared_volume_checkpoint_through_the_bucket_and_res
 def test_a_node_killed_while_it_uploads_never_leaves_that_step_complete(
     tmp_path: Path, s3_bucket: Bucket, fault_proxy: FaultProxy
 ) -> None:
-    """Node 1 reaches the bucket through a link that turns slow once step 10 is complete: its part of
-    step 20 is still on its way when both nodes are SIGKILLed. Step 20 must not be complete, and a
-    restart resumes from step 10."""
+    """Node 1 reaches the bucket through a proxy that holds its requests for step 20's keys: its part of
+    step 20 is on its way when both nodes are SIGKILLed. Step 20 must not be complete, and a restart
+    resumes from step 10.
+
+    The proxy used to slow node 1's link once the test saw step 10 complete. Step 20 is about half a
+    second of training later, so under load node 1 had sometimes uploaded its part of step 20 before
+    the link turned slow, and step 20 was complete."""
     env, remote = s3_job_env(s3_bucket), s3_bucket.url("run")
     slow_env = {**env, "JOB_ENDPOINT_URL": fault_proxy.endpoint_url}
+    fault_proxy.hold("/step-000000000020/")
     endpoint, run_id = f"127.0.0.1:{free_port()}", uuid.uuid4().hex[:8]
     procs = [node(i, 2, endpoint, run_id, tmp_path / f"node{i}", remote, (env, slow_env)[i], ["--sharded"])
              for i in range(2)]
     try:
-        wait_until(lambda: 10 in complete(s3_bucket), timeout=240, interval=0.5, what="step 10 complete in the bucket")
-        fault_proxy.delay(0.5)  # from now on node 1's uploads crawl
-        procs[0].wait_event("checkpoint", lambda e: e["step"] >= 20, timeout=240)
+        wait_until(lambda: fault_proxy.counters.held > 0, timeout=240, interval=0.2,
+                   what="node 1 uploading its part of step 20")
+        wait_until(lambda: 10 in complete(s3_bucket), timeout=60, interval=0.5, what="step 10 complete in the bucket")
         for proc in reversed(procs):
             proc.kill()  # SIGKILL, launcher and workers: no goodbye
     finally:
         for proc in procs:
             proc.kill()
-        fault_proxy.passthrough()
     assert 20 not in complete(s3_bucket) and max(complete(s3_bucket)) == 10
 
     again = node(0, 1, f"127.0.0.1:{free_port()}", uuid.uuid4().hex[:8], tmp_path / "fresh", remote, env,

@@ -19,6 +19,9 @@ Faults can be switched while traffic flows:
 * ``refuse_header(prefix)``: requests with a header whose name starts with ``prefix`` are answered
   ``501 Not Implemented`` (S3's ``NotImplemented``) without reaching the server: a server that
   rejects what it does not support;
+* ``hold(fragment)``: requests whose request line contains ``fragment`` (a key) wait in the proxy,
+  not forwarded, until ``passthrough()``; ``counters.held`` counts them. An upload of that key is then
+  surely in flight, whatever the pace of the client: a slow link without the race of switching it on;
 * ``passthrough()``: no fault (a stripped header stays stripped).
 
 Requests are framed by parsing HTTP/1.1 heads and Content-Length (all the S3 SDK sends), so the proxy
@@ -59,6 +62,7 @@ class Counters:
     slowdowns: int = 0
     corrupted: int = 0
     refused: int = 0
+    held: int = 0
     request_heads: list[tuple[str, dict[str, str]]] = field(default_factory=list)  # line, lower-case headers
 
     @property
@@ -88,6 +92,8 @@ class FaultProxy:
         self._corrupt_min_length = 1
         self._strip: bytes | None = None
         self._refuse: str | None = None
+        self._hold: str | None = None
+        self._released = threading.Condition(self._lock)
         self._sockets: set[socket.socket] = set()
         self._listener = socket.create_server((LOOPBACK, 0))
         self.port = self._listener.getsockname()[1]
@@ -103,8 +109,9 @@ class FaultProxy:
     def passthrough(self) -> None:
         with self._lock:
             self._reset_after, self._reset_times, self._slowdowns, self._delay = None, None, 0, 0.0
-            self._trickle = None
+            self._trickle, self._hold = None, None
             self._generation += 1
+            self._released.notify_all()
 
     def reset_after(self, nbytes: int, times: int | None = None, graceful: bool = False) -> None:
         with self._lock:
@@ -136,8 +143,14 @@ class FaultProxy:
         with self._lock:
             self._refuse = prefix.lower()
 
+    def hold(self, fragment: str) -> None:
+        with self._lock:
+            self._hold = fragment
+
     def close(self) -> None:
         self._closed = True
+        with self._lock:
+            self._released.notify_all()
         self._listener.close()
         with self._lock:
             for s in list(self._sockets):
@@ -206,6 +219,16 @@ class FaultProxy:
                 self._reset_times -= 1
         return self._generation, budget
 
+    def _wait_if_held(self, request_line: str) -> None:
+        """Block a held request until passthrough(); on close() the connection is dropped unforwarded."""
+        with self._lock:
+            if self._hold is None or self._hold not in request_line:
+                return
+            self.counters.held += 1
+            self._released.wait_for(lambda: self._closed or self._hold is None or self._hold not in request_line)
+            if self._closed:
+                raise OSError("fault proxy closed while holding a request")
+
     def _current_delay(self) -> float:
         with self._lock:
             return self._delay
@@ -252,6 +275,7 @@ class _Connection:
                     self.proxy.counters.request_heads.append((request_line, headers))
                 if self.strip is not None:
                     self.methods.append(request_line.split(" ", 1)[0])
+                self.proxy._wait_if_held(request_line)
                 for answer, refused in ((SLOW_DOWN, self.proxy._take_slowdown),
                                         (NOT_IMPLEMENTED, lambda: self.proxy._refuses(headers))):
                     if refused():
