@@ -210,7 +210,8 @@ class _Bf16Saved(_TiedPair):
 
     def __init__(self) -> None:
         super().__init__()
-        self._register_state_dict_hook(lambda module, sd, prefix, meta: {k: v.to(torch.bfloat16) for k, v in sd.items()})
+        self._register_state_dict_hook(lambda module, sd, prefix, meta: {k: v.to(torch.bfloat16)
+                                                                         for k, v in sd.items()})
 
 
 def test_initialise_fills_the_models_own_tensors_whatever_its_state_dict_returns():
