@@ -3,7 +3,8 @@ space under /tmp, a SeaweedFS server on loopback, random committed checkpoints a
 
 Why interleaved: the machine is small and shared (other people's test suites run on the same two
 cores), so its speed drifts by more than the effects measured. Running the arms side by side in one
-process, in the order A B / B A round after round, and reporting medians cancels most of that drift.
+process, in balanced orders round after round (A B / B A for two arms; see interleaved), and
+reporting medians cancels most of that drift.
 """
 from __future__ import annotations
 
@@ -51,17 +52,26 @@ def timed(fn: Callable[[], Any]) -> float:
 
 def interleaved(arms: Mapping[str, Callable[[], T]], rounds: int, warmup: int = 0,
                 log: Callable[[str], None] | None = None, settle: float = 0.0) -> dict[str, list[T]]:
-    """Run every arm once per round, forward on even rounds and backward on odd ones (A B, B A, ...),
-    so slow drift and "who runs first" cancel out; the first ``warmup`` rounds are run and dropped.
+    """Run every arm once per round, in the orders of a Williams design (:func:`balanced_orders`):
+    over a full cycle of orders every arm runs in every position, and right after every other arm, as
+    often as every other arm does, so slow drift, "who runs first" and "who runs after whom" cancel out.
+    Two arms: A B, B A, ... The first ``warmup`` rounds are run and dropped.
+
+    Why "after whom" matters: an arm can leave the machine cheaper or dearer for the next one. In
+    bench.transfer the arm right after an s3torchconnector upload found the server's memory warm and
+    uploaded in 9-11 s where it took 13-14 s after the others; the old order (A B C, C B A) put s5cmd
+    after it in every other round and never ours (BENCHMARKS.md, "Seventeenth session").
 
     ``settle``: seconds of quiet before every arm. A VM that hands freed memory back to its host (free
     page reporting, BENCHMARKS.md "Machine") makes whatever runs while the gigabyte the previous arm
     freed (a deleted download, a pruned checkpoint) is being handed back pay for it: up to half a
     second per step, per GiB, in the arm that did not free it (see add_settle_option)."""
     names = list(arms)
+    orders = balanced_orders(len(names))
     results: dict[str, list[T]] = {name: [] for name in names}
     for r in range(warmup + rounds):
-        for name in names if r % 2 == 0 else names[::-1]:
+        for index in orders[r % len(orders)]:
+            name = names[index]
             if settle:
                 time.sleep(settle)
             value = arms[name]()
@@ -71,6 +81,27 @@ def interleaved(arms: Mapping[str, Callable[[], T]], rounds: int, warmup: int = 
                 tag = "warm-up" if r < warmup else f"round {r - warmup + 1}/{rounds}"
                 log(f"  {tag} {name}: {_short(value)}")
     return results
+
+
+def balanced_orders(n: int) -> list[list[int]]:
+    """A Williams design for ``n`` arms: ``n`` orders (``2 n`` when ``n`` is odd) in which each arm
+    takes each position equally often and follows each other arm exactly once (twice when odd).
+    The first order is 0, 1, n-1, 2, n-2, ...; the others add 1, 2, ... modulo ``n``; odd ``n`` adds
+    every order reversed."""
+    if n < 1:
+        raise ValueError(f"at least one arm, not {n}")
+    first = [0]
+    low, high = 1, n - 1
+    while len(first) < n:
+        first.append(low)
+        low += 1
+        if len(first) < n:
+            first.append(high)
+            high -= 1
+    orders = [[(i + shift) % n for i in first] for shift in range(n)]
+    if n % 2 and n > 1:
+        orders += [order[::-1] for order in orders]
+    return orders
 
 
 def _short(value: Any) -> str:
@@ -256,6 +287,15 @@ def venv_binary(name: str) -> Path:
 def s3_bucket(workdir: Path) -> Iterator[Any]:
     """A SeaweedFS server on free 127.0.0.1 ports with one fresh bucket (tests.support.s3server.Bucket);
     this process's environment sees only its admin credentials meanwhile. Stopped afterwards."""
+    with s3_server(workdir) as (bucket, _):
+        yield bucket
+
+
+@contextlib.contextmanager
+def s3_server(workdir: Path) -> Iterator[tuple[Any, Callable[[], float]]]:
+    """:func:`s3_bucket`, and a function that returns the CPU seconds (user + sys) the server has used
+    so far: on two shared cores an upload is mostly the server's work, and a ratio of two clients is
+    only readable beside what the server spent on each."""
     from tests.support.s3server import ADMIN, Bucket, SeaweedFS
 
     server = SeaweedFS(venv_binary("weed"), workdir / "seaweedfs")
@@ -263,9 +303,16 @@ def s3_bucket(workdir: Path) -> Iterator[Any]:
     try:
         bucket = Bucket(server.create_bucket(), server.endpoint_url, ADMIN)
         with aws_environment(bucket.env()):
-            yield bucket
+            yield bucket, lambda: process_cpu_seconds(server.pid)
     finally:
         server.stop()
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (all its threads), from /proc/PID/stat."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # the name, in parentheses, may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @contextlib.contextmanager

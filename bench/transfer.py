@@ -39,6 +39,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 if __package__ in (None, ""):  # run as `python bench/transfer.py`
@@ -46,34 +47,42 @@ if __package__ in (None, ""):  # run as `python bench/transfer.py`
 
 from uploader.hashing import fsync_path
 from bench.common import (MB, GiB, MiB, add_settle_option, interleaved, median, parser, print_machine, progress,
-                          ratio, s3_bucket, scratch, settle_seconds, venv_binary)
+                          ratio, s3_server, scratch, settle_seconds, venv_binary)
 from tests.support.checkpoints import make_checkpoint
 
 TARGET = 1.0
 FILE = "state.pt"
 PIECE = 8 * 1024 * 1024  # what the s3tc arms write and read at a time
+PEERS = ("s5cmd", "s3tc")
+CLIENTS = ("ours", *PEERS)
 
 
 class Clock:
     """Wall seconds and CPU seconds (user + sys) of a block: of this process, or of the child processes
-    that ended inside it (s5cmd). CPU matters here: client and server share two cores."""
+    that ended inside it (s5cmd); and, given ``server`` (bench.common.s3_server), the server's CPU seconds
+    meanwhile. CPU matters here: client and server share two cores."""
 
-    def __init__(self, children: bool) -> None:
+    def __init__(self, children: bool, server: Callable[[], float] | None = None) -> None:
         self.who = resource.RUSAGE_CHILDREN if children else resource.RUSAGE_SELF
+        self.server = server
 
     def _cpu(self) -> float:
         usage = resource.getrusage(self.who)
         return usage.ru_utime + usage.ru_stime
 
     def __enter__(self) -> Clock:
+        self.server_cpu = self.server() if self.server is not None else 0.0
         self.wall, self.cpu = time.perf_counter(), self._cpu()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.wall, self.cpu = time.perf_counter() - self.wall, self._cpu() - self.cpu
+        if self.server is not None:
+            self.server_cpu = self.server() - self.server_cpu
 
     def result(self) -> dict[str, float]:
-        return {"wall": self.wall, "cpu": self.cpu}
+        server = {"server": self.server_cpu} if self.server is not None else {}
+        return {"wall": self.wall, "cpu": self.cpu, **server}
 
 
 class S3tc:
@@ -169,8 +178,12 @@ def main(argv: list[str] | None = None) -> int:
                         "environment and --s3tc-bucket) instead of the benchmark's SeaweedFS")
     p.add_argument("--s3tc-bucket", default=None, help="bucket for --s3tc-endpoint")
     p.add_argument("--s3tc-region", default="us-east-1", help="region for s3torchconnector")
+    p.add_argument("--ways", default="down,up", help="which series to run: down, up, or both (down,up)")
     add_settle_option(p)
     args = p.parse_args(argv)
+    ways = [w.strip() for w in args.ways.split(",") if w.strip()]
+    if not ways or set(ways) - {"down", "up"}:
+        p.error(f"--ways takes down, up or down,up, not {args.ways!r}")
     outside_env = dict(os.environ)  # the caller's credentials, for --s3tc-endpoint (s3_bucket replaces them)
     size = (16 if args.smoke else args.size_mib) * MiB
     rounds = args.rounds or (1 if args.smoke else 3)
@@ -182,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     s5_flags = args.s5cmd_flags.split()
     print_machine(args.tmpdir)
 
-    with scratch("transfer", args.tmpdir) as workdir, s3_bucket(workdir) as bucket:
+    with scratch("transfer", args.tmpdir) as workdir, s3_server(workdir) as (bucket, server_cpu):
         config = UploadConfig(endpoint_url=bucket.endpoint_url, **settings)
         progress(f"{size / MiB:g} MiB checkpoint; ours: part {config.part_size // MiB} MiB x {config.concurrency} "
                  f"in flight, multipart from {config.multipart_threshold // MiB} MiB; "
@@ -195,16 +208,17 @@ def main(argv: list[str] | None = None) -> int:
         else:
             tc, tc_bucket = S3tcProcess(bucket.endpoint_url, args.s3tc_region, dict(os.environ)), bucket.name
         tc_seed = f"s3://{tc_bucket}/tc-seed/{FILE}"
-        tc.call("upload", ckpt.path / FILE, tc_seed)  # what its downloads fetch
         seed = open_remote(bucket.url("seed"), config)
-        push(ckpt, seed, keep=1)  # what both downloads fetch
+        if "down" in ways:
+            tc.call("upload", ckpt.path / FILE, tc_seed)  # what its downloads fetch
+            push(ckpt, seed, keep=1)  # what both downloads fetch
         seed_key = f"s3://{bucket.name}/seed/{ckpt.name}/{FILE}"
         counter = iter(range(10 ** 6))
 
         def ours_up() -> dict[str, float]:
             remote = open_remote(bucket.url(f"up-{next(counter)}"), config)
             try:
-                with Clock(children=False) as clock:
+                with Clock(children=False, server=server_cpu) as clock:
                     push(ckpt, remote, keep=1)
                 remote.delete([o.key for o in remote.list()])
             finally:
@@ -213,14 +227,14 @@ def main(argv: list[str] | None = None) -> int:
 
         def s5cmd_up() -> dict[str, float]:
             dst = f"s3://{bucket.name}/s5-{next(counter)}/{FILE}"
-            with Clock(children=True) as clock:
+            with Clock(children=True, server=server_cpu) as clock:
                 s5.cp(str(ckpt.path / FILE), dst, *s5_flags)
             s5.rm(dst)
             return clock.result()
 
         def ours_down() -> dict[str, float]:
             folder = workdir / f"down-{next(counter)}"
-            with Clock(children=False) as clock:
+            with Clock(children=False, server=server_cpu) as clock:
                 pulled = pull_newest(seed, folder)
             assert pulled is not None and pulled.step == ckpt.step
             shutil.rmtree(folder)
@@ -229,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         def s5cmd_down() -> dict[str, float]:
             folder = workdir / f"down-{next(counter)}"
             folder.mkdir()
-            with Clock(children=True) as clock:
+            with Clock(children=True, server=server_cpu) as clock:
                 s5.cp(seed_key, str(folder / FILE), *s5_flags)
             synced = time.perf_counter()
             fsync_path(folder / FILE)
@@ -239,13 +253,21 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(folder)
             return {**clock.result(), "fsync": fsync_seconds}
 
+        def s3tc(method: str, *call_args: Any) -> tuple[Any, dict[str, float]]:
+            """One s3tc call, timed in its process; the server's CPU meanwhile, when it is ours."""
+            before = server_cpu()
+            got, clock = tc.call(method, *call_args)
+            if args.s3tc_endpoint is None:
+                clock["server"] = server_cpu() - before
+            return got, clock
+
         def s3tc_up() -> dict[str, float]:
-            return tc.call("upload", ckpt.path / FILE, f"s3://{tc_bucket}/tc-{next(counter)}/{FILE}")[1]
+            return s3tc("upload", ckpt.path / FILE, f"s3://{tc_bucket}/tc-{next(counter)}/{FILE}")[1]
 
         def s3tc_down() -> dict[str, float]:
             folder = workdir / f"down-{next(counter)}"
             folder.mkdir()
-            got, clock = tc.call("download", tc_seed, folder / FILE)
+            got, clock = s3tc("download", tc_seed, folder / FILE)
             if got != size:
                 raise RuntimeError(f"s3torchconnector downloaded {got} bytes, not {size}")
             shutil.rmtree(folder)
@@ -253,33 +275,39 @@ def main(argv: list[str] | None = None) -> int:
 
         # Each direction is its own interleaved series: an upload (1 GiB written by the server, and
         # freed again) sitting between two downloads changes what memory the next one finds.
-        settle = settle_seconds(args)
-        results = interleaved({"ours_down": ours_down, "s5cmd_down": s5cmd_down, "s3tc_down": s3tc_down},
-                              rounds=rounds, log=progress, settle=settle)
-        results.update(interleaved({"ours_up": ours_up, "s5cmd_up": s5cmd_up, "s3tc_up": s3tc_up},
-                                   rounds=rounds, log=progress, settle=settle))
+        series = {"down": {"ours_down": ours_down, "s5cmd_down": s5cmd_down, "s3tc_down": s3tc_down},
+                  "up": {"ours_up": ours_up, "s5cmd_up": s5cmd_up, "s3tc_up": s3tc_up}}
+        results: dict[str, list[dict[str, float]]] = {}
+        for way in ways:
+            results.update(interleaved(series[way], rounds=rounds, log=progress, settle=settle_seconds(args)))
         seed.close()
         tc.close()
+    report(results, ways, size, rounds, config)
+    return 0
 
+
+def report(results: dict[str, list[dict[str, float]]], ways: list[str], size: int, rounds: int, config: Any) -> None:
+    """Medians per arm, then the ratio line last."""
     t = {name: median([r["wall"] for r in runs]) for name, runs in results.items()}
-    cpu = {name: median([r["cpu"] for r in runs]) for name, runs in results.items()}
-    fsync_s = median([r["fsync"] for r in results["s5cmd_down"]])
     rate = {name: size / seconds / MB for name, seconds in t.items()}
     gib = size / GiB
-    print(f"{size / MiB:g} MiB, median of {rounds}, MB/s (10^6 B/s): ours up {rate['ours_up']:.0f}, s5cmd up "
-          f"{rate['s5cmd_up']:.0f}, s3tc up {rate['s3tc_up']:.0f}; ours down {rate['ours_down']:.0f}, s5cmd down "
-          f"{rate['s5cmd_down']:.0f} (s5cmd down + fsync {size / (t['s5cmd_down'] + fsync_s) / MB:.0f}), s3tc down "
-          f"{rate['s3tc_down']:.0f}; ours: part {config.part_size // MiB} MiB x {config.concurrency}")
-    print("client CPU seconds (user+sys) per GiB: " + ", ".join(f"{n} {c / gib:.2f}" for n, c in cpu.items())
-          + " (the server's are not counted; it shares the same cores)")
+    for way in ways:
+        line = ", ".join(f"{client} {rate[f'{client}_{way}']:.0f}" for client in CLIENTS)
+        if way == "down":
+            synced = t["s5cmd_down"] + median([r["fsync"] for r in results["s5cmd_down"]])
+            line += f" (s5cmd + fsync {size / synced / MB:.0f})"
+        print(f"{way}load of {size / MiB:g} MiB, median of {rounds}, MB/s (10^6 B/s): {line}; ours: part "
+              f"{config.part_size // MiB} MiB x {config.concurrency}")
+    for who, key in (("client", "cpu"), ("server", "server")):
+        medians = {n: median([r[key] for r in runs]) for n, runs in results.items() if all(key in r for r in runs)}
+        print(f"{who} CPU seconds (user+sys) per GiB, median: "
+              + ", ".join(f"{n} {c / gib:.2f}" for n, c in medians.items()))
     best = {name: min(r["wall"] for r in runs) for name, runs in results.items()}
-    print(f"best round (fresh page-cache pages make rounds vary on a VM): upload ours/s5cmd = "
-          f"{best['s5cmd_up'] / best['ours_up']:.3f}, ours/s3tc = {best['s3tc_up'] / best['ours_up']:.3f}; download "
-          f"ours/s5cmd = {best['s5cmd_down'] / best['ours_down']:.3f}, ours/s3tc = "
-          f"{best['s3tc_down'] / best['ours_down']:.3f}")
-    print("; ".join(ratio(f"{way} ours/{peer}", rate[f"ours_{key}"] / rate[f"{peer}_{key}"], TARGET, at_most=False)
-                    for way, key in (("upload", "up"), ("download", "down")) for peer in ("s5cmd", "s3tc")), flush=True)
-    return 0
+    print("best round (fresh page-cache pages make rounds vary on a VM): " + ", ".join(
+        f"{way}load ours/{peer} = {best[f'{peer}_{way}'] / best[f'ours_{way}']:.3f}"
+        for way in ways for peer in PEERS))
+    print("; ".join(ratio(f"{way}load ours/{peer}", rate[f"ours_{way}"] / rate[f"{peer}_{way}"], TARGET, at_most=False)
+                    for way in ways for peer in PEERS), flush=True)
 
 
 if __name__ == "__main__":

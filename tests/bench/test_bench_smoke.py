@@ -53,6 +53,23 @@ def test_transfer_smoke():
 
 @pytest.mark.slow
 @pytest.mark.s3
+def test_transfer_runs_only_the_way_asked_for_and_counts_the_servers_cpu():
+    needs_s3_tools()
+    done = run_bench("transfer", "--smoke", "--ways", "up")
+    assert_ends_with_ratio(done)
+    last = done.stdout.strip().splitlines()[-1]
+    assert "upload ours/s5cmd" in last and "upload ours/s3tc" in last and "download" not in last
+    server = next(line for line in done.stdout.splitlines() if line.startswith("server CPU"))
+    assert "ours_up" in server and "s5cmd_up" in server and "s3tc_up" in server and "_down" not in server
+
+
+def test_transfer_refuses_an_unknown_way():
+    done = run_bench("transfer", "--smoke", "--ways", "sideways")
+    assert done.returncode == 2 and "--ways takes down, up or down,up" in done.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.s3
 def test_resume_startup_smoke():
     needs_s3_tools()
     assert_ends_with_ratio(run_bench("resume_startup", "--smoke"))

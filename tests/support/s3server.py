@@ -150,6 +150,13 @@ class SeaweedFS:
         self._log_start = 0
 
     @property
+    def pid(self) -> int:
+        """The running ``weed`` process's id (benchmarks read its CPU time)."""
+        if self._proc is None:
+            raise RuntimeError("weed mini is not running")
+        return self._proc.pid
+
+    @property
     def endpoint_url(self) -> str:
         return f"http://{LOOPBACK}:{self.ports['s3.port']}"
 

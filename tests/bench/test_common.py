@@ -1,0 +1,39 @@
+"""bench.common's schedule: the orders the arms run in are what makes a side-by-side ratio fair."""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from bench.common import balanced_orders, interleaved
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6])
+def test_every_arm_takes_every_position_and_follows_every_other_equally_often(n):
+    orders = balanced_orders(n)
+    assert all(sorted(order) == list(range(n)) for order in orders)
+    positions = Counter((position, arm) for order in orders for position, arm in enumerate(order))
+    assert len(positions) == n * n and len(set(positions.values())) == 1
+    follows = Counter((order[i - 1], order[i]) for order in orders for i in range(1, n))
+    assert len(follows) == n * (n - 1) and len(set(follows.values())) <= 1
+
+
+def test_two_arms_alternate():
+    assert balanced_orders(2) == [[0, 1], [1, 0]]
+
+
+def test_interleaved_runs_the_cycle_of_orders_and_drops_the_warm_up():
+    ran: list[str] = []
+
+    def arm(name: str):
+        def run() -> int:
+            ran.append(name)
+            return len(ran)
+        return run
+
+    results = interleaved({name: arm(name) for name in "abc"}, rounds=6, warmup=1)
+    assert len(ran) == 21
+    rounds = ["".join(ran[i:i + 3]) for i in range(0, 21, 3)]
+    assert rounds == ["abc", "bca", "cab", "cba", "acb", "bac", "abc"]
+    assert {name: len(values) for name, values in results.items()} == {"a": 6, "b": 6, "c": 6}
+    assert results["a"][0] == 6  # "a" ran first in the warm-up round (1, dropped), then 6th
