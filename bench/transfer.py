@@ -28,6 +28,12 @@ What each side does, so the ratio can be read fairly:
 
 The source file is in the page cache for every upload (it was just written), and the server's
 volume data likely is too: this measures the client and the loopback server, not a disk.
+
+On two shared cores an upload is mostly the server's work (medians of 18-21 server CPU-seconds per
+GiB against the clients' 1.2-3.0 on the 2-vCPU VM of BENCHMARKS.md's seventeenth session), so the
+server's CPU during each arm is printed too, and three arms take a full cycle
+of bench.common's balanced orders every 6 rounds: ``--rounds 6`` (or 12) for a recorded number.
+``--ways up`` or ``--ways down`` runs one series only.
 """
 from __future__ import annotations
 
@@ -111,6 +117,8 @@ class S3tcProcess:
     """An :class:`S3tc` in a child process: each call returns the wall and CPU seconds (user + sys, every
     thread of the child) the transfer took there, plus its result."""
 
+    ATTEMPTS = 3
+
     def __init__(self, endpoint_url: str, region: str, env: dict[str, str]) -> None:
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
@@ -118,13 +126,24 @@ class S3tcProcess:
                                         name="bench-s3tc", daemon=True)
         self._process.start()
         child.close()
+        self.failures: list[str] = []
 
     def call(self, method: str, *args: Any) -> tuple[Any, dict[str, float]]:
-        self._conn.send((method, args))
-        ok, result, clock = self._conn.recv()
-        if not ok:
-            raise RuntimeError(f"s3torchconnector {method} failed: {result}")
-        return result, clock
+        """One transfer; a failed one is made again, up to ATTEMPTS in all, and listed in ``failures``.
+
+        The AWS CRT has failed single transfers against SeaweedFS in this benchmark
+        (AWS_ERROR_HTTP_RESPONSE_FIRST_BYTE_TIMEOUT, AWS_ERROR_S3_REQUEST_HAS_COMPLETED), after which a
+        whole run of every arm was lost. The time returned is the successful attempt's; the failures
+        are printed with the results."""
+        for attempt in range(1, self.ATTEMPTS + 1):
+            self._conn.send((method, args))
+            ok, result, clock = self._conn.recv()
+            if ok:
+                return result, clock
+            self.failures.append(f"{method}: {result}")
+            if attempt < self.ATTEMPTS:
+                progress(f"  s3torchconnector {method} failed ({result}); again ({attempt + 1}/{self.ATTEMPTS})")
+        raise RuntimeError(f"s3torchconnector {method} failed {self.ATTEMPTS} times, last: {result}")
 
     def close(self) -> None:
         self._conn.send(None)
@@ -282,11 +301,12 @@ def main(argv: list[str] | None = None) -> int:
             results.update(interleaved(series[way], rounds=rounds, log=progress, settle=settle_seconds(args)))
         seed.close()
         tc.close()
-    report(results, ways, size, rounds, config)
+    report(results, ways, size, rounds, config, tc.failures)
     return 0
 
 
-def report(results: dict[str, list[dict[str, float]]], ways: list[str], size: int, rounds: int, config: Any) -> None:
+def report(results: dict[str, list[dict[str, float]]], ways: list[str], size: int, rounds: int, config: Any,
+           peer_failures: list[str]) -> None:
     """Medians per arm, then the ratio line last."""
     t = {name: median([r["wall"] for r in runs]) for name, runs in results.items()}
     rate = {name: size / seconds / MB for name, seconds in t.items()}
@@ -302,6 +322,9 @@ def report(results: dict[str, list[dict[str, float]]], ways: list[str], size: in
         medians = {n: median([r[key] for r in runs]) for n, runs in results.items() if all(key in r for r in runs)}
         print(f"{who} CPU seconds (user+sys) per GiB, median: "
               + ", ".join(f"{n} {c / gib:.2f}" for n, c in medians.items()))
+    if peer_failures:
+        print(f"s3torchconnector: {len(peer_failures)} transfer(s) failed and were made again (timed: the attempt "
+              f"that worked); first: {peer_failures[0]}")
     best = {name: min(r["wall"] for r in runs) for name, runs in results.items()}
     print("best round (fresh page-cache pages make rounds vary on a VM): " + ", ".join(
         f"{way}load ours/{peer} = {best[f'{peer}_{way}'] / best[f'ours_{way}']:.3f}"
