@@ -87,7 +87,9 @@ def balanced_orders(n: int) -> list[list[int]]:
     """A Williams design for ``n`` arms: ``n`` orders (``2 n`` when ``n`` is odd) in which each arm
     takes each position equally often and follows each other arm exactly once (twice when odd).
     The first order is 0, 1, n-1, 2, n-2, ...; the others add 1, 2, ... modulo ``n``; odd ``n`` adds
-    every order reversed."""
+    every order reversed, in the order (shift 0, n-1, ..., 1) that makes the arm that ends one round
+    and the arm that starts the next a different pair at every boundary (for three arms, run as one
+    long sequence, every arm then follows every other exactly three times per cycle)."""
     if n < 1:
         raise ValueError(f"at least one arm, not {n}")
     first = [0]
@@ -100,7 +102,7 @@ def balanced_orders(n: int) -> list[list[int]]:
             high -= 1
     orders = [[(i + shift) % n for i in first] for shift in range(n)]
     if n % 2 and n > 1:
-        orders += [order[::-1] for order in orders]
+        orders += [orders[shift][::-1] for shift in (0, *range(n - 1, 0, -1))]
     return orders
 
 

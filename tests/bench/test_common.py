@@ -18,6 +18,20 @@ def test_every_arm_takes_every_position_and_follows_every_other_equally_often(n)
     assert len(follows) == n * (n - 1) and len(set(follows.values())) <= 1
 
 
+@pytest.mark.parametrize("n", [3, 4, 5, 6, 7])
+def test_no_arm_follows_itself_across_rounds_and_no_boundary_repeats(n):
+    orders = balanced_orders(n)
+    boundaries = [(orders[i][-1], orders[(i + 1) % len(orders)][0]) for i in range(len(orders))]
+    assert all(last != first for last, first in boundaries)
+    assert len(set(boundaries)) == len(boundaries)
+
+
+def test_three_arms_run_as_one_sequence_follow_each_other_equally_often():
+    sequence = [arm for order in balanced_orders(3) for arm in order]
+    follows = Counter((sequence[i - 1], sequence[i]) for i in range(len(sequence)))  # cyclic: i = 0 wraps
+    assert follows == {(a, b): 3 for a in range(3) for b in range(3) if a != b}
+
+
 def test_two_arms_alternate():
     assert balanced_orders(2) == [[0, 1], [1, 0]]
 
@@ -34,6 +48,6 @@ def test_interleaved_runs_the_cycle_of_orders_and_drops_the_warm_up():
     results = interleaved({name: arm(name) for name in "abc"}, rounds=6, warmup=1)
     assert len(ran) == 21
     rounds = ["".join(ran[i:i + 3]) for i in range(0, 21, 3)]
-    assert rounds == ["abc", "bca", "cab", "cba", "acb", "bac", "abc"]
+    assert rounds == ["abc", "bca", "cab", "cba", "bac", "acb", "abc"]
     assert {name: len(values) for name, values in results.items()} == {"a": 6, "b": 6, "c": 6}
     assert results["a"][0] == 6  # "a" ran first in the warm-up round (1, dropped), then 6th
