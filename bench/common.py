@@ -51,7 +51,8 @@ def timed(fn: Callable[[], Any]) -> float:
 
 
 def interleaved(arms: Mapping[str, Callable[[], T]], rounds: int, warmup: int = 0,
-                log: Callable[[str], None] | None = None, settle: float = 0.0) -> dict[str, list[T]]:
+                log: Callable[[str], None] | None = None, settle: float = 0.0,
+                after: dict[str, list[str]] | None = None) -> dict[str, list[T]]:
     """Run every arm once per round, in the orders of a Williams design (:func:`balanced_orders`):
     over a full cycle of orders every arm runs in every position, and right after every other arm, as
     often as every other arm does, so slow drift, "who runs first" and "who runs after whom" cancel out.
@@ -65,10 +66,14 @@ def interleaved(arms: Mapping[str, Callable[[], T]], rounds: int, warmup: int = 
     ``settle``: seconds of quiet before every arm. A VM that hands freed memory back to its host (free
     page reporting, BENCHMARKS.md "Machine") makes whatever runs while the gigabyte the previous arm
     freed (a deleted download, a pruned checkpoint) is being handed back pay for it: up to half a
-    second per step, per GiB, in the arm that did not free it (see add_settle_option)."""
+    second per step, per GiB, in the arm that did not free it (see add_settle_option).
+
+    ``after``, if given, is filled with the name of the arm that ran just before each kept value
+    ("" for the first arm of the series), parallel to the results: see :func:`by_predecessor`."""
     names = list(arms)
     orders = balanced_orders(len(names))
     results: dict[str, list[T]] = {name: [] for name in names}
+    previous = ""
     for r in range(warmup + rounds):
         for index in orders[r % len(orders)]:
             name = names[index]
@@ -77,10 +82,25 @@ def interleaved(arms: Mapping[str, Callable[[], T]], rounds: int, warmup: int = 
             value = arms[name]()
             if r >= warmup:
                 results[name].append(value)
+                if after is not None:
+                    after.setdefault(name, []).append(previous)
+            previous = name
             if log is not None:
                 tag = "warm-up" if r < warmup else f"round {r - warmup + 1}/{rounds}"
                 log(f"  {tag} {name}: {_short(value)}")
     return results
+
+
+def by_predecessor(values: Mapping[str, list[float]], after: Mapping[str, list[str]]) -> dict[str, dict[str, float]]:
+    """Median of each arm's values grouped by the arm that ran just before it: with a balanced order
+    two arms can be compared after the same predecessor, where what it left behind is the same."""
+    grouped: dict[str, dict[str, float]] = {}
+    for name, series in values.items():
+        groups: dict[str, list[float]] = {}
+        for value, before in zip(series, after[name], strict=True):
+            groups.setdefault(before, []).append(value)
+        grouped[name] = {before: median(group) for before, group in sorted(groups.items())}
+    return grouped
 
 
 def balanced_orders(n: int) -> list[list[int]]:

@@ -52,8 +52,8 @@ if __package__ in (None, ""):  # run as `python bench/transfer.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from uploader.hashing import fsync_path
-from bench.common import (MB, GiB, MiB, add_settle_option, interleaved, median, parser, print_machine, progress,
-                          ratio, s3_server, scratch, settle_seconds, venv_binary)
+from bench.common import (MB, GiB, MiB, add_settle_option, by_predecessor, interleaved, median, parser, print_machine,
+                          progress, ratio, s3_server, scratch, settle_seconds, venv_binary)
 from tests.support.checkpoints import make_checkpoint
 
 TARGET = 1.0
@@ -297,16 +297,18 @@ def main(argv: list[str] | None = None) -> int:
         series = {"down": {"ours_down": ours_down, "s5cmd_down": s5cmd_down, "s3tc_down": s3tc_down},
                   "up": {"ours_up": ours_up, "s5cmd_up": s5cmd_up, "s3tc_up": s3tc_up}}
         results: dict[str, list[dict[str, float]]] = {}
+        after: dict[str, list[str]] = {}
         for way in ways:
-            results.update(interleaved(series[way], rounds=rounds, log=progress, settle=settle_seconds(args)))
+            results.update(interleaved(series[way], rounds=rounds, log=progress, settle=settle_seconds(args),
+                                       after=after))
         seed.close()
         tc.close()
-    report(results, ways, size, rounds, config, tc.failures)
+    report(results, after, ways, size, rounds, config, tc.failures)
     return 0
 
 
-def report(results: dict[str, list[dict[str, float]]], ways: list[str], size: int, rounds: int, config: Any,
-           peer_failures: list[str]) -> None:
+def report(results: dict[str, list[dict[str, float]]], after: dict[str, list[str]], ways: list[str], size: int,
+           rounds: int, config: Any, peer_failures: list[str]) -> None:
     """Medians per arm, then the ratio line last."""
     t = {name: median([r["wall"] for r in runs]) for name, runs in results.items()}
     rate = {name: size / seconds / MB for name, seconds in t.items()}
@@ -322,6 +324,19 @@ def report(results: dict[str, list[dict[str, float]]], ways: list[str], size: in
         medians = {n: median([r[key] for r in runs]) for n, runs in results.items() if all(key in r for r in runs)}
         print(f"{who} CPU seconds (user+sys) per GiB, median: "
               + ", ".join(f"{n} {c / gib:.2f}" for n, c in medians.items()))
+    grouped = by_predecessor({n: [r["wall"] for r in runs] for n, runs in results.items()}, after)
+    print("median seconds by the arm just before (what it left behind differs; compare arms after the same one): "
+          + "; ".join(f"{n} " + ", ".join(f"after {b or 'nothing'} {s:.3g}" for b, s in g.items())
+                      for n, g in grouped.items()))
+    matched = []
+    for way in ways:
+        for peer in PEERS:
+            (third,) = (f"{c}_{way}" for c in CLIENTS if c not in ("ours", peer))  # ran before both of them
+            mine, theirs = grouped[f"ours_{way}"].get(third), grouped[f"{peer}_{way}"].get(third)
+            if mine and theirs:
+                matched.append(f"{way}load ours/{peer} after {third} = {theirs / mine:.3f}")
+    if matched:
+        print("after the same arm: " + ", ".join(matched))
     if peer_failures:
         print(f"s3torchconnector: {len(peer_failures)} transfer(s) failed and were made again (timed: the attempt "
               f"that worked); first: {peer_failures[0]}")

@@ -55,12 +55,14 @@ def test_transfer_smoke():
 @pytest.mark.s3
 def test_transfer_runs_only_the_way_asked_for_and_counts_the_servers_cpu():
     needs_s3_tools()
-    done = run_bench("transfer", "--smoke", "--ways", "up")
+    done = run_bench("transfer", "--smoke", "--ways", "up", "--rounds", "6")  # a full cycle of orders
     assert_ends_with_ratio(done)
-    last = done.stdout.strip().splitlines()[-1]
-    assert "upload ours/s5cmd" in last and "upload ours/s3tc" in last and "download" not in last
-    server = next(line for line in done.stdout.splitlines() if line.startswith("server CPU"))
+    lines = done.stdout.splitlines()
+    assert "upload ours/s5cmd" in lines[-1] and "upload ours/s3tc" in lines[-1] and "download" not in lines[-1]
+    server = next(line for line in lines if line.startswith("server CPU"))
     assert "ours_up" in server and "s5cmd_up" in server and "s3tc_up" in server and "_down" not in server
+    matched = next(line for line in lines if line.startswith("after the same arm: "))
+    assert "upload ours/s5cmd after s3tc_up = " in matched and "upload ours/s3tc after s5cmd_up = " in matched
 
 
 def test_transfer_refuses_an_unknown_way():

@@ -5,7 +5,7 @@ from collections import Counter
 
 import pytest
 
-from bench.common import balanced_orders, interleaved
+from bench.common import balanced_orders, by_predecessor, interleaved
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6])
@@ -51,3 +51,12 @@ def test_interleaved_runs_the_cycle_of_orders_and_drops_the_warm_up():
     assert rounds == ["abc", "bca", "cab", "cba", "bac", "acb", "abc"]
     assert {name: len(values) for name, values in results.items()} == {"a": 6, "b": 6, "c": 6}
     assert results["a"][0] == 6  # "a" ran first in the warm-up round (1, dropped), then 6th
+
+
+def test_each_value_is_grouped_by_the_arm_that_ran_just_before_it():
+    after: dict[str, list[str]] = {}
+    calls = iter(range(100))
+    results = interleaved({name: lambda: float(next(calls)) for name in "ab"}, rounds=4, after=after)
+    # a b | b a | a b | b a: values 0 1 | 2 3 | 4 5 | 6 7
+    assert after == {"a": ["", "b", "a", "b"], "b": ["a", "b", "a", "b"]}
+    assert by_predecessor(results, after) == {"a": {"": 0.0, "a": 4.0, "b": 5.0}, "b": {"a": 3.0, "b": 4.0}}
