@@ -31,10 +31,11 @@ What each side does, so the ratio can be read fairly:
 The source file is in the page cache for every upload (it was just written), and the server's
 volume data likely is too: this measures the client and the loopback server, not a disk.
 
-On two shared cores an upload is mostly the server's work (medians of 18-21 server CPU-seconds per
-GiB against the clients' 1.2-3.0 on the 2-vCPU VM of BENCHMARKS.md's seventeenth session), so the
-server's CPU during each arm is printed too, and three arms take a full cycle
-of bench.common's balanced orders every 6 rounds: ``--rounds 6`` (or 12) for a recorded number.
+On two shared cores an upload is mostly the server's work (medians of 10-22 server CPU-seconds per
+GiB against the clients' 1.0-3.0 on the 2-vCPU VM of BENCHMARKS.md's seventeenth session), and what
+one arm leaves in the server changes the next arm's time. So the server's CPU during each arm is
+printed too, with each arm's medians by the arm before it, and three arms take a full cycle of
+bench.common's balanced orders every 6 rounds: ``--rounds 12`` for a recorded number.
 ``--ways up`` or ``--ways down`` runs one series only.
 """
 from __future__ import annotations
@@ -46,8 +47,8 @@ import shutil
 import subprocess
 import sys
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 if __package__ in (None, ""):  # run as `python bench/transfer.py`
