@@ -48,7 +48,7 @@ def restore(state: State, tree: Mapping[Any, Any], source: str, step: int, timer
             f"checkpoint {source} does not fit this model/optimizer or is damaged ({_what_differs(e)}); "
             f"resume it with the --model it was written with, or {ADVICE}") from None
     problem = (_timer_problem(state, step, timer) or _optimizer_problem(state) or _settings_problem(state, before)
-               or _plain_problem(state))
+               or _scaler_problem(state) or _plain_problem(state))
     if problem is not None:
         raise CheckpointLoadError(f"checkpoint {source} is damaged: {problem}; {ADVICE}")
 
@@ -108,6 +108,45 @@ def _optimizer_problem(state: State) -> str | None:
                     elif not _is_number(value):
                         return f"optimizer state {name!r} is a {type(value).__name__}, not a tensor"
     return None
+
+
+# GradScaler's own invariants: what its constructor asserts and its update keeps (a growth tracker counts
+# the steps since the last change of scale, up to growth_interval; both are int32 in the update's kernel).
+INT32_MAX = 2 ** 31 - 1
+SCALER_LIMITS: dict[str, tuple[type, Callable[[Any], bool], str]] = {
+    "scale": (float, lambda v: math.isfinite(v) and v > 0, "a finite number above 0"),
+    "growth_factor": (float, lambda v: math.isfinite(v) and v > 1, "a finite number above 1"),
+    "backoff_factor": (float, lambda v: 0 < v < 1, "a number between 0 and 1"),
+    "growth_interval": (int, lambda v: 0 < v <= INT32_MAX, "a whole number of steps from 1 to 2**31-1"),
+    "_growth_tracker": (int, lambda v: 0 <= v <= INT32_MAX, "a whole number of steps from 0 to 2**31-1"),
+}
+
+
+def _scaler_problem(state: State) -> str | None:
+    """AMP's loss scaler (``--precision amp_fp16``). ``GradScaler.load_state_dict`` takes any values: a scale
+    of "x" or a growth tracker of 10**30 failed at the first step (TypeError, OverflowError), and a scale of
+    0 unscales every gradient by 1/0, silently (torch's CPU scaler: NaN weights after the first step)."""
+    scaler = state.scaler
+    if not isinstance(scaler, torch.amp.GradScaler) or not scaler.is_enabled():
+        return None
+    found = scaler.state_dict()
+    for name, (kind, holds, wanted) in SCALER_LIMITS.items():
+        value = found.get(name)
+        if not _scaler_number(value, kind, holds):
+            return f"its GradScaler {name} is {clip(repr(value), 40)}, not {wanted}"
+    if found["_growth_tracker"] >= found["growth_interval"]:  # it starts again from 0 on reaching it
+        return (f"its GradScaler counted {found['_growth_tracker']} steps towards a growth_interval of "
+                f"{found['growth_interval']}")
+    return None
+
+
+def _scaler_number(value: Any, kind: type, holds: Callable[[Any], bool]) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
+        return False
+    try:
+        return holds(kind(value))
+    except OverflowError:  # an int too large for a float
+        return False
 
 
 def _settings(state: State) -> dict[str, Any]:

@@ -13,6 +13,8 @@ import torch
 from job import elastic
 from job.checkpoint import STATE_FILE, describe, open_checkpoint
 from job.exceptions import CheckpointLoadError, ConfigError
+from job.restore import restore
+from state import State
 from tests.support.checkpoints import checkpoints_of, reseal
 from tests.support.jobs import ckpt_config, run_job, train_config, train_state
 from uploader import local
@@ -170,3 +172,65 @@ def test_a_setting_the_checkpoint_lacks_is_no_damage(good: Path, tmp_path: Path)
         tree["optimizers"]["AdamW"]["param_groups"][0]))
     state = train_state(train_config(max_duration="6ba"), ckpt_config(folder, interval="2ba", async_save=False))
     assert state.timer.batch.value == 6
+
+
+def _scaled_state(steps: int = 0) -> State:
+    """A State with AMP's loss scaler (its CPU flavour: the job's amp_fp16 one needs CUDA), after ``steps``
+    scaled steps."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    state = State(model=model, max_duration="4ba", rank_zero_seed=0, train_dataloader=[0] * 4,
+                  optimizers=torch.optim.SGD(model.parameters(), lr=0.1), scaler=torch.amp.GradScaler("cpu"))
+    for _ in range(steps):
+        state.scaler.scale(model(torch.ones(2)).sum()).backward()
+        state.scaler.step(state.optimizers[0])
+        state.scaler.update()
+    return state
+
+
+# Each loaded without a word: the first two failed at the first step (TypeError, OverflowError), a scale
+# of 0 made the weights NaN at the first step.
+DAMAGED_SCALERS = {
+    "a scale of 'x'": ("scale", "x", "is damaged: its GradScaler scale is 'x', not a finite number above 0"),
+    "a growth tracker of 10**30": ("_growth_tracker", 10 ** 30, "is damaged: its GradScaler _growth_tracker is "
+                                   "1000000000000000000000000000000, not a whole number of steps from 0 to 2**31-1"),
+    "a scale of 0": ("scale", 0.0, "is damaged: its GradScaler scale is 0.0, not a finite number above 0"),
+    "a scale of inf": ("scale", float("inf"), "is damaged: its GradScaler scale is inf"),
+    "a scale of 10**400": ("scale", 10 ** 400, "is damaged: its GradScaler scale is 1000"),
+    "a growth factor of 0.5": ("growth_factor", 0.5, "is damaged: its GradScaler growth_factor is 0.5, not a finite "
+                               "number above 1"),
+    "a backoff factor of 1": ("backoff_factor", 1.0, "is damaged: its GradScaler backoff_factor is 1.0, not a number "
+                              "between 0 and 1"),
+    "a growth interval of 2.5": ("growth_interval", 2.5, "is damaged: its GradScaler growth_interval is 2.5, not a "
+                                 "whole number of steps from 1 to 2**31-1"),
+    "a growth interval of True": ("growth_interval", True, "is damaged: its GradScaler growth_interval is True"),
+    "a growth tracker at its interval": ("_growth_tracker", 2000, "is damaged: its GradScaler counted 2000 steps "
+                                         "towards a growth_interval of 2000"),
+    "no scale": ("scale", None, "does not fit this model/optimizer or is damaged ('scale')"),  # torch's KeyError
+}
+
+
+@pytest.mark.parametrize("case", list(DAMAGED_SCALERS))
+def test_a_damaged_loss_scaler_is_refused(case: str) -> None:
+    name, value, says = DAMAGED_SCALERS[case]
+    tree = _scaled_state(steps=3).state_dict()
+    if value is None:
+        del tree["scaler"]["GradScaler"][name]
+    else:
+        tree["scaler"]["GradScaler"][name] = value
+    with pytest.raises(CheckpointLoadError, match="^checkpoint here ") as refused:
+        restore(_scaled_state(), tree, "here", 0, {})
+    assert says in str(refused.value)
+
+
+def test_a_loss_scaler_restores_and_scales_on() -> None:
+    """The control: a scaler that has stepped restores as it was, and the next scaled step runs."""
+    saved = _scaled_state(steps=3)
+    resumed = _scaled_state()
+    restore(resumed, saved.state_dict(), "here", 0, {})
+    assert resumed.scaler.state_dict() == saved.scaler.state_dict()
+    assert resumed.scaler.state_dict()["_growth_tracker"] == 3
+    resumed.scaler.scale(resumed.model(torch.ones(2)).sum()).backward()
+    resumed.scaler.step(resumed.optimizers[0])
+    resumed.scaler.update()
+    assert resumed.scaler.state_dict()["_growth_tracker"] == 4
