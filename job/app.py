@@ -250,7 +250,7 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
             run.initialise()
         plan = elastic.fresh_plan(cfg, run.world_size)
         if resumed is not None:
-            plan = elastic.resumed_plan(resumed, cfg, run.world_size)
+            plan = elastic.resumed_plan(resumed.meta, cfg, run.world_size, resumed.source)
             elastic.apply_plan(plan, run, cfg)
             refit_schedule(run, cfg.lr)
         checkpointer.meta = {**meta, **plan.meta()}

@@ -46,6 +46,11 @@ class BatchPlan:
     world: int
     scheme: str = SAMPLER_SCHEME
     written_on: int | None = None  # the ranks that wrote the checkpoint resumed (its manifest); None: a new run
+    source: str = ""  # where the checkpoint resumed came from, for the errors that name it
+
+    @property
+    def checkpoint(self) -> str:
+        return f"checkpoint {self.source}" if self.source else "the checkpoint"
 
     @property
     def per_rank(self) -> int:
@@ -68,13 +73,14 @@ def fresh_plan(cfg: TrainConfig, world: int) -> BatchPlan:
     return BatchPlan(cfg.batch_size * world, cfg.batch_size // cfg.grad_accum, world)
 
 
-def resumed_plan(meta: dict[str, Any], cfg: TrainConfig, world: int) -> BatchPlan:
-    """The checkpoint's global batch on ``world`` ranks; ConfigError (exit 2) when it does not divide.
+def resumed_plan(meta: dict[str, Any], cfg: TrainConfig, world: int, source: str = "") -> BatchPlan:
+    """The global batch of the checkpoint (from ``source``) on ``world`` ranks; ConfigError (exit 2) when it
+    does not divide.
 
     Checkpoints written before the global batch was recorded derive it from their per-rank settings.
     """
-    flags = fresh_plan(cfg, world)
-    old_world = _ranks_that_wrote(meta)
+    flags = replace(fresh_plan(cfg, world), source=source)
+    old_world = _ranks_that_wrote(meta, flags.checkpoint)
     try:
         global_batch = int(meta.get("global_batch", int(meta["batch_size"]) * old_world))
         micro = int(meta.get("micro_batch", int(meta["batch_size"]) // int(meta["grad_accum"])))
@@ -87,7 +93,7 @@ def resumed_plan(meta: dict[str, Any], cfg: TrainConfig, world: int) -> BatchPla
         raise ConfigError(
             f"the run's global batch of {global_batch} samples does not divide among {world} ranks; resume it on "
             f"{', '.join(map(str, works))} ranks (or start a new run with a --batch-size that divides)")
-    plan = BatchPlan(global_batch, micro, world, str(meta.get("sampler", LEGACY_SCHEME)), old_world)
+    plan = BatchPlan(global_batch, micro, world, str(meta.get("sampler", LEGACY_SCHEME)), old_world, source)
     if plan.global_batch != flags.global_batch:
         logger.warning("keeping the checkpoint's global batch of %d samples (%d per rank on %d ranks); --batch-size "
                        "%d x %d ranks would be %d", plan.global_batch, plan.per_rank, world, cfg.batch_size, world,
@@ -95,12 +101,12 @@ def resumed_plan(meta: dict[str, Any], cfg: TrainConfig, world: int) -> BatchPla
     return plan
 
 
-def _ranks_that_wrote(meta: dict[str, Any]) -> int:
+def _ranks_that_wrote(meta: dict[str, Any], checkpoint: str) -> int:
     """The number of ranks that wrote a checkpoint, from its manifest (1 when not recorded)."""
     value = meta.get("world_size", 1)
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_RANKS:
-        raise CheckpointLoadError(f"the checkpoint's manifest records world_size {clip(repr(value), 40)}, not a "
-                                  f"number of ranks: it is damaged; {ADVICE}")
+        raise CheckpointLoadError(f"{checkpoint} is damaged: its manifest records world_size {clip(repr(value), 40)}, "
+                                  f"not a number of ranks; {ADVICE}")
     return value
 
 
@@ -115,17 +121,17 @@ def apply_plan(plan: BatchPlan, run: Run, cfg: TrainConfig) -> None:
         run.sampler.configure(plan.global_batch, plan.world, distributed.rank(),
                               wrap_pad=plan.scheme == LEGACY_SCHEME and old_world == plan.world)
     except ValueError as e:
-        raise CheckpointLoadError(f"the checkpoint's global batch does not fit this data ({e}): it was written for "
-                                  f"other --data, or is damaged; resume it with its own --data, or {ADVICE}") from None
+        raise CheckpointLoadError(f"{plan.checkpoint} was written for other --data, or is damaged: its global batch "
+                                  f"does not fit this data ({e}); resume it with its own --data, or {ADVICE}") from None
     position = run.state.timer.batch_in_epoch.value
     if position >= len(run.sampler):
         if plan.scheme == LEGACY_SCHEME and old_world != plan.world:
             raise ConfigError(  # its padding made epochs one global batch longer on some rank counts
-                f"the checkpoint is at batch {position} of its epoch, written by the rank-strided sampler of older "
+                f"{plan.checkpoint} is at batch {position} of its epoch, written by the rank-strided sampler of older "
                 f"releases on {old_world} ranks; on {plan.world} ranks its epoch has {len(run.sampler)} global "
                 f"batches: resume it on {old_world} ranks until the next epoch begins")
         raise CheckpointLoadError(
-            f"the checkpoint is at batch {position} of its epoch, but an epoch of this data has {len(run.sampler)} "
+            f"{plan.checkpoint} is at batch {position} of its epoch, but an epoch of this data has {len(run.sampler)} "
             f"global batches: it was written for other --data, or is damaged; resume it with its own --data, "
             f"or {ADVICE}")
     run.state.grad_accum = plan.grad_accum

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -104,12 +104,19 @@ def _resume_from_pull(store: RemoteStore, pulled: LocalCheckpoint) -> tuple[Path
     return pulled.path, pulled.manifest(), store.describe(pulled)
 
 
+class Resumed(NamedTuple):
+    """The checkpoint a run resumed: its manifest's meta, from which the caller plans the global batch, and
+    where it came from, which the caller's errors about it name."""
+
+    meta: dict[str, Any]
+    source: str
+
+
 def resume(state: State, cfg: CheckpointConfig, checkpointer: Checkpointer, meta: dict[str, Any],
            store: RemoteStore | None, mesh: DeviceMesh | None = None,
-           pulling: Future[LocalCheckpoint | None] | None = None) -> dict[str, Any] | None:
+           pulling: Future[LocalCheckpoint | None] | None = None) -> Resumed | None:
     """Rank 0 chooses and reads the checkpoint; every rank loads the same one, with what was per rank
-    handed over by job.elastic (on another number of ranks too). Returns the checkpoint's manifest
-    meta, from which the caller plans the global batch; None when there is nothing to resume.
+    handed over by job.elastic (on another number of ranks too). None when there is nothing to resume.
 
     In a sharded run every rank reads its part of the chosen checkpoint itself (DCP reshards it to this
     run's ranks); otherwise rank 0 reads the whole state (a sharded checkpoint reassembled) and broadcasts
@@ -139,7 +146,7 @@ def resume(state: State, cfg: CheckpointConfig, checkpointer: Checkpointer, meta
         raise CheckpointLoadError(error or f"{errors[0]} (seen by another rank)")
     event(logger, "resumed", step=state.timer.batch.value, epoch=state.timer.epoch.value, source=source,
           world_size_was=ckpt_meta.get("world_size"), world_size=distributed.world_size())
-    return ckpt_meta
+    return Resumed(ckpt_meta, source)
 
 
 def _newest_whole_local(folder: Path) -> int:

@@ -2,6 +2,7 @@
 before training starts, and nothing of the run's good checkpoints is changed (job.restore, job.elastic)."""
 from __future__ import annotations
 
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -120,15 +121,28 @@ def test_damaged_content_is_refused_before_training_and_loses_nothing(good: Path
     assert checkpoints_of(folder) == before  # step 2 and the damaged step 4 alike: nothing rewritten
 
 
-@pytest.mark.parametrize("manifest, says", [
-    (lambda doc: doc["meta"].__setitem__("world_size", "two"), "records world_size 'two', not a number of ranks"),
-    (lambda doc: doc["meta"].__setitem__("world_size", 0), "records world_size 0"),
-    (lambda doc: doc["meta"].update(global_batch=10 ** 15), "global batch does not fit this data"),
-])
-def test_a_damaged_manifest_meta_is_refused(good: Path, tmp_path: Path, manifest: Edit, says: str) -> None:
-    folder = damaged_copy(good, tmp_path, manifest=manifest)
+def _past_the_epoch(doc: dict[str, Any]) -> None:
+    doc["timer"]["batch_in_epoch"] = 1000
+
+
+@pytest.mark.parametrize("state, manifest, says", [
+    (None, lambda doc: doc["meta"].__setitem__("world_size", "two"),
+     "is damaged: its manifest records world_size 'two', not a number of ranks"),
+    (None, lambda doc: doc["meta"].__setitem__("world_size", 0), "is damaged: its manifest records world_size 0"),
+    (None, lambda doc: doc["meta"].update(global_batch=10 ** 15),
+     "was written for other --data, or is damaged: its global batch does not fit this data"),
+    # State and manifest agree (job.restore's checks pass), but this data's epoch is shorter.
+    (_set("timer.Timer.batch_in_epoch", 1000), _past_the_epoch,
+     "is at batch 1000 of its epoch, but an epoch of this data has"),
+], ids=["world_size 'two'", "world_size 0", "a global batch of 10**15", "a position past this data's epoch"])
+def test_a_damaged_manifest_meta_is_refused_naming_the_checkpoint(good: Path, tmp_path: Path, state: Edit | None,
+                                                                  manifest: Edit, says: str) -> None:
+    """These are found after job.restore, when the global batch is planned (job.elastic): the error names
+    the checkpoint as job.restore's do (it once said "the checkpoint")."""
+    folder = damaged_copy(good, tmp_path, state=state, manifest=manifest)
     before = checkpoints_of(folder)
-    with pytest.raises(CheckpointLoadError, match=says):
+    named = f"checkpoint {folder / local.checkpoint_name(4)} {says}"
+    with pytest.raises(CheckpointLoadError, match=f"^{re.escape(named)}"):
         train_state(train_config(max_duration="6ba"), ckpt_config(folder, interval="2ba", async_save=False))
     assert checkpoints_of(folder) == before
 
