@@ -32,6 +32,7 @@ from pathlib import Path
 from uploader.exceptions import CorruptCheckpoint, LocalAccessError, ManifestError, UnsupportedFormat
 from uploader.hashing import fsync_path
 from uploader.manifest import MANIFEST_NAME, Manifest, node_part, open_regular
+from uploader.once import warn_once
 
 logger = logging.getLogger(__name__)
 
@@ -265,9 +266,10 @@ def _counted(ckpt: LocalCheckpoint) -> bool:
         problem = None if manifest.step == ckpt.step else f"its manifest is for step {manifest.step}"
     except (CorruptCheckpoint, ManifestError) as e:
         problem = str(e)
-    if problem is not None:  # once: the job prunes after every save
-        _warn_once(f"retention: {ckpt.path} is neither counted nor deleted: {problem}; delete it by hand once "
-                   "inspected")
+    if problem is not None:  # the job prunes after every save
+        warn_once(logger, ("local retention", str(ckpt.path), problem),
+                  "retention: %s is neither counted nor deleted: %s; delete it by hand once inspected", ckpt.path,
+                  problem)
     return problem is None
 
 
@@ -346,13 +348,3 @@ def not_readable(path: Path, e: OSError) -> LocalAccessError:
     return LocalAccessError(f"cannot read {path}: {e.strerror or e}; run the uploader as a user that may read "
                             "the job's checkpoints (the job's uid, or a shared group and fsGroup); the checkpoint "
                             "is left as it is")
-
-
-_warned: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    """A warning a poll loop would otherwise repeat every few seconds."""
-    if message not in _warned:
-        _warned.add(message)
-        logger.warning("%s", message)

@@ -95,6 +95,7 @@ from uploader.local import (
 )
 from uploader.manifest import (MANIFEST_NAME, MAX_MANIFEST_BYTES, FileEntry, Manifest, lstat_inside, node_part,
                                open_regular, strict_json)
+from uploader.once import warn_once
 from uploader.progress import Progress, human_bytes
 from uploader.remote import ObjectInfo, Remote
 
@@ -476,9 +477,9 @@ def _after_commit(remote: Remote, keep: int, newest: int) -> None:
     _point_latest(remote, newest)
     ignored = [c.name for c in summaries if c.complete and c.step > newest]
     if ignored:
-        logger.warning("retention: %s on %s %s newer than the checkpoint just uploaded (%s): neither counted "
-                       "nor deleted", ", ".join(ignored), remote.url, "is" if len(ignored) == 1 else "are",
-                       checkpoint_name(newest))
+        warn_once(logger, ("remote retention, newer", remote.url, tuple(ignored)),
+                  "retention: %s on %s %s newer than the checkpoint just uploaded (%s): neither counted nor deleted",
+                  ", ".join(ignored), remote.url, "is" if len(ignored) == 1 else "are", checkpoint_name(newest))
     doomed = complete[:-keep] + [c for c in summaries if not c.complete and c.step < newest]
     for ckpt in sorted(doomed, key=lambda c: c.step):
         keys = [o.key for o in scan[ckpt.name]]
@@ -496,8 +497,9 @@ def _counted(remote: Remote, ckpt: RemoteCheckpoint) -> bool:
     listed is not yet a checkpoint. One that is not is left alone, with a warning."""
     problem = _unusable(remote, ckpt)
     if problem is not None:
-        logger.warning("retention: %s on %s is neither counted nor deleted: %s; delete it by hand once inspected",
-                       ckpt.name, remote.url, problem)
+        warn_once(logger, ("remote retention", remote.url, ckpt.name, problem),
+                  "retention: %s on %s is neither counted nor deleted: %s; delete it by hand once inspected",
+                  ckpt.name, remote.url, problem)
     return problem is None
 
 

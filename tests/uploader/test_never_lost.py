@@ -158,6 +158,29 @@ def test_local_retention_counts_and_deletes_only_checkpoints_whose_manifest_pars
 # -- 3. bounded work for any manifest -------------------------------------------------------------
 
 
+def test_remote_retention_warns_once_about_each_checkpoint_it_leaves_alone(
+    remote: Remote, local: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Retention runs after every upload. A checkpoint it must leave alone (a manifest that does not parse,
+    a newer one this node did not write) was warned about at every upload, every 30 seconds for as long as
+    it stayed; now at the first, and at DEBUG after that."""
+    push(make_checkpoint(local, 64), remote, keep=5)
+    (local / checkpoint_name(64) / MANIFEST_NAME).unlink()  # this node never had 64
+    _with_manifest(remote, local, 5, b"not json")
+
+    with caplog.at_level(logging.DEBUG, logger="uploader.sync"):
+        for step in (6, 8, 10):
+            push(make_checkpoint(local, step), remote, keep=5)
+
+    def said(level: int, words: str) -> int:
+        return sum(r.levelno == level and words in r.getMessage() for r in caplog.records)
+    unusable = f"retention: {checkpoint_name(5)} on {remote.url} is neither counted nor deleted"
+    newer = f"retention: {checkpoint_name(64)} on {remote.url} is newer than the checkpoint just uploaded"
+    assert (said(logging.WARNING, unusable), said(logging.DEBUG, unusable)) == (1, 2)
+    assert (said(logging.WARNING, newer), said(logging.DEBUG, newer)) == (1, 3)  # first seen by the upload of 5
+    assert complete_steps(remote) == [5, 6, 8, 10, 64]  # still neither counted nor deleted
+
+
 def _with_manifest(remote: Remote, local: Path, step: int,
                    raw: bytes | Callable[[LocalCheckpoint], bytes]) -> bytes:
     """Upload a good checkpoint of ``step``, then replace its manifest with ``raw`` (or what it makes of the
