@@ -126,9 +126,7 @@ def newest_verified(folder: Path, set_aside_corrupt: bool = False) -> tuple[Loca
     spot-trainer is refused (UnsupportedFormat)."""
     for ckpt in reversed(list_committed(folder)):
         try:
-            manifest = ckpt.manifest()
-            if manifest.step != ckpt.step:
-                raise ManifestError(f"its manifest is for step {manifest.step}")
+            manifest = ckpt.manifest().for_step(ckpt.step)
             if node_part(manifest) is not None:
                 logger.debug("%s is one node's part of a multi-node checkpoint, not resumable alone", ckpt.path)
                 continue
@@ -262,8 +260,8 @@ def _counted(ckpt: LocalCheckpoint) -> bool:
     """Whether :func:`prune` may count, and so delete, a committed checkpoint: its manifest parses and is for
     its own step (its files are not read: that is verification's job)."""
     try:
-        manifest = ckpt.manifest()
-        problem = None if manifest.step == ckpt.step else f"its manifest is for step {manifest.step}"
+        ckpt.manifest().for_step(ckpt.step)
+        problem = None
     except (CorruptCheckpoint, ManifestError) as e:
         problem = str(e)
     if problem is not None:  # the job prunes after every save

@@ -207,6 +207,14 @@ class Manifest:
         except OSError as e:
             raise CorruptCheckpoint(f"{folder}: cannot read its {MANIFEST_NAME} ({e.strerror or e})") from None
 
+    def for_step(self, step: int) -> Manifest:
+        """This manifest, if it is for ``step`` (the step its checkpoint's name says); ManifestError if not. A
+        checkpoint whose manifest is another step's (copied, or hand-made) is not that step's checkpoint:
+        resuming it, counting it in retention or uploading it under its name would all mix two steps."""
+        if self.step != step:
+            raise ManifestError(f"its manifest is for step {self.step}")
+        return self
+
     def verify(self, folder: Path) -> None:
         """Check every listed file's size and digest; raise CorruptCheckpoint on the first mismatch.
 

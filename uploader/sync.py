@@ -382,14 +382,12 @@ def _local_manifest(ckpt: LocalCheckpoint) -> tuple[bytes, Manifest]:
     except OSError as e:
         raise LocalCorruptCheckpoint(f"{ckpt.path}: cannot read its manifest ({e.strerror or e})") from None
     try:
-        manifest = Manifest.from_json(raw)
+        manifest = Manifest.from_json(raw).for_step(ckpt.step)
         node_part(manifest)
     except UnsupportedFormat as e:
         raise LocalUnsupportedFormat(str(e)) from None
     except ManifestError as e:
-        raise LocalCorruptCheckpoint(str(e)) from None
-    if manifest.step != ckpt.step:
-        raise LocalCorruptCheckpoint(f"{ckpt.path}: its manifest is for step {manifest.step}")
+        raise LocalCorruptCheckpoint(f"{ckpt.path}: {e}") from None
     return raw, manifest
 
 
@@ -508,12 +506,11 @@ def _unusable(remote: Remote, ckpt: RemoteCheckpoint) -> str | None:
     step); None if it does."""
     try:
         raw = remote.read_bytes(manifest_key(ckpt.name), limit=MAX_MANIFEST_BYTES)
-        manifest = None if raw is None else Manifest.from_json(raw)
+        if raw is not None:
+            Manifest.from_json(raw).for_step(ckpt.step)
     except (CorruptCheckpoint, ManifestError) as e:
         return str(e)
-    if manifest is None:
-        return "its manifest disappeared"
-    return None if manifest.step == ckpt.step else f"its manifest is for step {manifest.step}"
+    return "its manifest disappeared" if raw is None else None
 
 
 def _set_aside_remote(remote: Remote, name: str, raw: bytes | None, reason: str) -> None:
@@ -582,16 +579,12 @@ def _remote_manifest(remote: Remote, ckpt: RemoteCheckpoint, raw: bytes | None) 
         logger.warning("skipping remote %s: its manifest disappeared (retention running?)", ckpt.name)
         return None
     try:
-        manifest = Manifest.from_json(raw)
+        return Manifest.from_json(raw).for_step(ckpt.step)
     except UnsupportedFormat as e:
         raise _newer_format(remote, ckpt.name, e) from None
     except ManifestError as e:
         logger.warning("skipping remote %s: %s", ckpt.name, e)
         return None
-    if manifest.step != ckpt.step:
-        logger.warning("skipping remote %s: its manifest is for step %d", ckpt.name, manifest.step)
-        return None
-    return manifest
 
 
 # -- pull ---------------------------------------------------------------------------------------

@@ -37,6 +37,14 @@ def test_this_build_writes_format_3_with_blake3_block_digests_and_reads_it_back(
     back.verify(folder_with_data(tmp_path))
 
 
+def test_a_manifest_is_the_checkpoint_of_its_own_step_only() -> None:
+    """What retention, start-up, pulls and uploads all check (uploader.local, uploader.sync)."""
+    manifest = Manifest.from_json(doc(1))
+    assert manifest.for_step(3) is manifest
+    with pytest.raises(ManifestError, match="^its manifest is for step 3$"):
+        manifest.for_step(4)
+
+
 def test_a_format_2_checkpoint_still_verifies_with_its_sha256_blocks(tmp_path: Path) -> None:
     manifest = Manifest.from_json(doc(2, block_size=BLOCK, sha256=digest_bytes(DATA, BLOCK, "sha256")))
     assert (manifest.format_version, manifest.files[0].algorithm) == (2, "sha256")
