@@ -119,7 +119,7 @@ def _incomplete(model: nn.Module) -> str | None:
         where = f" in {name}" if name else ""
         if module._non_persistent_buffers_set:
             return f"has non-persistent buffers{where} ({', '.join(sorted(module._non_persistent_buffers_set))})"
-        tensors = sorted(key for key, value in vars(module).items() if isinstance(value, torch.Tensor))
+        tensors = sorted(key for key, value in vars(module).items() if key not in _MODULE_OWN and _holds_tensor(value))
         if tensors:
             return f"keeps tensors outside its parameters and buffers{where} ({', '.join(tensors)})"
         lazy = [key for key, t in [*module._parameters.items(), *module._buffers.items()]
@@ -127,6 +127,22 @@ def _incomplete(model: nn.Module) -> str | None:
         if lazy:
             return f"has lazy parameters{where} ({', '.join(lazy)})"
     return None
+
+
+# What every nn.Module keeps in its __dict__ (its parameters, buffers, submodules, hooks): not the model's own.
+_MODULE_OWN = frozenset(vars(nn.Module()))
+
+
+def _holds_tensor(value: Any, depth: int = 0) -> bool:
+    """A tensor, or a list, tuple or dict that holds one (a few levels deep: a table of per-layer
+    caches): on the meta device these stay meta tensors, which the load never replaces."""
+    if isinstance(value, torch.Tensor):
+        return True
+    if depth >= 3:
+        return False
+    if isinstance(value, dict):
+        value = list(value.values())
+    return isinstance(value, (list, tuple)) and any(_holds_tensor(item, depth + 1) for item in value)
 
 
 def _materialise(model: nn.Module, device: torch.device) -> None:

@@ -145,6 +145,12 @@ class _Attribute(_TiedPair):
         self.table = torch.arange(8.0)
 
 
+class _AttributeInAList(_TiedPair):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tables = {"sin": [torch.arange(8.0)], "rows": 8}
+
+
 class _NoOptIn(_TiedPair):
     skip_init_on_resume = False
 
@@ -183,10 +189,12 @@ def test_a_deferred_model_is_allocated_on_the_device_with_its_ties_kept():
 @pytest.mark.parametrize("factory, warned", [
     (_Cache, "non-persistent buffers (cache)"),
     (_Attribute, "keeps tensors outside its parameters and buffers (table)"),
+    (_AttributeInAList, "keeps tensors outside its parameters and buffers (tables)"),
     (_Lazy, "has lazy parameters in tail (weight, bias)"),
     (_DataDependent, "could not be built on the meta device"),
     (_NoOptIn, None),
-], ids=["non-persistent-buffer", "tensor-attribute", "lazy", "data-dependent", "no-opt-in"])
+], ids=["non-persistent-buffer", "tensor-attribute", "tensors-in-a-dict-of-lists", "lazy", "data-dependent",
+        "no-opt-in"])
 def test_a_model_that_a_checkpoint_would_not_fully_restore_is_initialised(caplog, factory, warned):
     seed_all(3)
     built = factory()
