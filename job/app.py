@@ -235,7 +235,7 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
         if store is not None:  # while the pull runs: read-only credentials fail before the model is built
             store.check_writable()
         run = build(cfg, defer_init=expects_checkpoint(ckpt_cfg, store))
-        event(logger, "built", model=cfg.model)
+        event(logger, "built", model=cfg.model, deferred_init=run.pending_init is not None)
         state = run.state
         if cfg.max_duration.unit == TimeUnit.TOKEN and not hasattr(unwrap(state.model), "num_tokens"):
             raise ConfigError(f"--max-duration {cfg.max_duration} counts tokens, but --model {cfg.model!r} "

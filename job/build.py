@@ -98,7 +98,7 @@ def leave_stop_signals_to_the_job(worker_id: int) -> None:
 
 def build(cfg: TrainConfig, defer_init: bool = False) -> Run:
     """``defer_init``: a checkpoint is expected to be loaded, so a model that allows it is left uninitialised
-    (job.deferred_init; one process, not sharded), and ``Run.initialise`` gives it its weights if none is."""
+    (job.deferred_init; not sharded), and ``Run.initialise`` gives it its weights if none is."""
     run = _assemble(cfg, defer_init)
     if run is None:  # the first assembly is gone (a reference cycle freed too) before the second allocates
         gc.collect()
@@ -117,7 +117,11 @@ def _assemble(cfg: TrainConfig, defer_init: bool) -> Run | None:
     seed()
     device = torch.device(cfg.device)
     factory, name = model_factory(cfg.model), f"--model {cfg.model!r}"
-    model, deferred = deferred_init.construct(factory, device, defer_init and world == 1 and not cfg.sharded, name)
+    # Every rank defers, or none: a first start's initialisation ends in a broadcast all ranks join, and
+    # only the ranks with a --remote (or with checkpoints on their node's disk) expect a checkpoint.
+    (defer,) = distributed.agree(defer_init and not cfg.sharded)
+    model, deferred = deferred_init.construct(factory, device, defer, name)
+    module = model  # what DistributedDataParallel wraps below: the weights a first start gives (Run.initialise)
     rng_kept = deferred_init.rng_kept() if deferred else None
     if not isinstance(model, torch.nn.Module) or not callable(getattr(model, "loss", None)):
         raise ConfigError(f"--model {cfg.model!r} must return a torch.nn.Module with forward(batch) and loss(outputs, batch)")
@@ -170,7 +174,7 @@ def _assemble(cfg: TrainConfig, defer_init: bool) -> Run | None:
                     "generators: the model is built with its random initialisation, as on a normal start", cfg.data)
         return None
     return Run(state=state, sampler=sampler, device=device, world_size=world, mesh=mesh, schedule_steps=steps,
-               pending_init=partial(deferred_init.initialise, model, factory, seed, name) if deferred else None)
+               pending_init=partial(deferred_init.initialise, module, factory, seed, name) if deferred else None)
 
 
 def refit_schedule(run: Run, lr: float) -> None:

@@ -7,7 +7,10 @@ billion parameters (BENCHMARKS.md, fifteenth and sixteenth sessions). Here the m
 the meta device (shapes only), and its parameters and buffers are allocated, uninitialised, on the
 run's device. When no checkpoint is loaded after all (a first start), ``initialise`` builds the model
 as a normal start does, from the same seed, and copies its weights in: the result, and the random
-number generators' state after it, are those of a start that never deferred.
+number generators' state after it, are those of a start that never deferred. Under torchrun every rank
+defers or none (job.build), and those weights are then broadcast from rank 0, as DistributedDataParallel
+did when it wrapped the model on a normal start. Not ``--sharded``: FSDP2 shards the model as it is
+built, and a first start would need each shard initialised as a whole model's part.
 
 Only a model whose state_dict holds everything it computes with can be left uninitialised: a
 non-persistent buffer (a rotary cache) or a plain tensor attribute would keep garbage after the load.
@@ -30,6 +33,7 @@ import torch
 from torch import nn
 from torch.nn.parameter import UninitializedTensorMixin
 
+from job import distributed
 from job.exceptions import ConfigError
 from job.safe_load import clip
 from state import capture_rng, restore_rng
@@ -95,6 +99,9 @@ def initialise(model: nn.Module, factory: Callable[[], nn.Module], seed: Callabl
         for key, target in mine.items():
             target.data = theirs[key].detach().to(target.device)
     _flatten_rnns(model)
+    # Under DistributedDataParallel every rank built its own weights (seeded by its rank); the wrap, which
+    # made them rank 0's on a normal start, happened while they were uninitialised.
+    distributed.broadcast_tensors(list(mine.values()))
 
 
 def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:

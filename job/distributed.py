@@ -174,6 +174,18 @@ def broadcast_choice(obj: Any) -> Any:
     return box[0]
 
 
+def broadcast_tensors(tensors: list[torch.Tensor]) -> None:
+    """Rank 0's values into ``tensors`` on every rank, in place (each tensor once, tied ones too): what
+    DistributedDataParallel does to the model's parameters and buffers when it wraps it."""
+    if not active():
+        return
+    seen: set[int] = set()
+    for tensor in tensors:
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            dist.broadcast(tensor.detach(), src=0)
+
+
 def gather_to_first(obj: Any) -> list[Any] | None:
     """Every rank's ``obj``, in rank order, on rank 0; None on the others."""
     if not active():

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import random
+import shutil
 import sys
 import weakref
 
@@ -17,8 +18,9 @@ from job import deferred_init
 from job.build import build
 from job.storage import RemoteConfig
 from state import seed_all
-from tests.support.jobs import assert_states_equal, ckpt_config, train_state
+from tests.support.jobs import JobProcess, assert_states_equal, ckpt_config, inspect, job_env, train_state
 from uploader.config import UploadConfig
+from uploader.local import checkpoint_name
 
 CPU = torch.device("cpu")
 
@@ -251,3 +253,49 @@ def test_a_build_that_starts_over_lets_go_of_the_deferred_model_first(tiny_confi
     run = build(tiny_config(data=f"{__name__}:noisy_recorded"), defer_init=True)
     assert run.pending_init is None  # started over without deferring: the data set draws from torch's generator
     assert alive_at_second_data_build == [True, False]
+
+
+# -- two ranks (DistributedDataParallel under torchrun, CPU, gloo) ------------------------------------------
+
+DDP_ARGS = ["--max-duration", "12ba", "--save-interval", "4ba", "--eval-interval", "6ba", "--batch-size", "32",
+            "--seed", "5", "--log-format", "json"]
+
+
+def _two_ranks(folder, *extra: str) -> list[dict]:
+    """`job train` with the built-in MLP (it opts in) on two ranks, to the end; its events."""
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "-m", "job", "train", *DDP_ARGS, "--save-folder", str(folder), *extra]
+    proc = JobProcess(argv, env=job_env())
+    try:
+        code = proc.wait(300)
+    finally:
+        proc.kill()
+    assert code == 0, proc.stderr[-3000:]
+    return proc.events
+
+
+def _built_deferred(events: list[dict]) -> list[bool]:
+    return [e["deferred_init"] for e in events if e.get("event") == "built"]
+
+
+@pytest.mark.slow
+def test_two_ranks_that_find_no_checkpoint_start_as_a_normal_start(tmp_path):
+    """Each rank initialises its own weights (seeded by its rank) after DistributedDataParallel has wrapped
+    the uninitialised model: without rank 0's weights broadcast then, the ranks train different models."""
+    normal = _two_ranks(tmp_path / "normal", "--resume", "never")
+    deferred = _two_ranks(tmp_path / "deferred", "--remote", f"file://{tmp_path / 'bucket'}")
+    assert _built_deferred(normal) == [False] and _built_deferred(deferred) == [True]
+    assert inspect(tmp_path / "deferred")["model_sha256"] == inspect(tmp_path / "normal")["model_sha256"]
+
+
+@pytest.mark.slow
+def test_two_ranks_resume_without_the_random_initialisation_and_equal_an_uninterrupted_run(tmp_path):
+    straight = tmp_path / "straight"
+    _two_ranks(straight, "--resume", "never")
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copytree(straight / checkpoint_name(4), resumed / checkpoint_name(4))  # as if stopped at step 4
+    events = _two_ranks(resumed)
+    assert _built_deferred(events) == [True]
+    assert [e["step"] for e in events if e.get("event") == "resumed"] == [4]
+    assert inspect(resumed)["model_sha256"] == inspect(straight)["model_sha256"]
