@@ -51,6 +51,12 @@ def restore(state: State, tree: Mapping[Any, Any], source: str, step: int, timer
                or _scaler_problem(state) or _plain_problem(state))
     if problem is not None:
         raise CheckpointLoadError(f"checkpoint {source} is damaged: {problem}; {ADVICE}")
+    if _scale_backed_off_to_zero(state):
+        raise CheckpointLoadError(
+            f"checkpoint {source} cannot be trained on: its loss scale (--precision amp_fp16) backed off to 0, "
+            "as it does when step after step overflows (a run that diverged), and from 0 every step overflows "
+            "again; resume an earlier checkpoint with --resume PATH, or start a new run in another "
+            "--save-folder/--remote")
 
 
 def _what_differs(error: Exception) -> str:
@@ -114,7 +120,7 @@ def _optimizer_problem(state: State) -> str | None:
 # the steps since the last change of scale, up to growth_interval; both are int32 in the update's kernel).
 INT32_MAX = 2 ** 31 - 1
 SCALER_LIMITS: dict[str, tuple[type, Callable[[Any], bool], str]] = {
-    "scale": (float, lambda v: math.isfinite(v) and v > 0, "a finite number above 0"),
+    "scale": (float, lambda v: math.isfinite(v) and v >= 0, "a finite number, 0 or above"),
     "growth_factor": (float, lambda v: math.isfinite(v) and v > 1, "a finite number above 1"),
     "backoff_factor": (float, lambda v: 0 < v < 1, "a number between 0 and 1"),
     "growth_interval": (int, lambda v: 0 < v <= INT32_MAX, "a whole number of steps from 1 to 2**31-1"),
@@ -124,12 +130,10 @@ SCALER_LIMITS: dict[str, tuple[type, Callable[[Any], bool], str]] = {
 
 def _scaler_problem(state: State) -> str | None:
     """AMP's loss scaler (``--precision amp_fp16``). ``GradScaler.load_state_dict`` takes any values: a scale
-    of "x" or a growth tracker of 10**30 failed at the first step (TypeError, OverflowError), and a scale of
-    0 unscales every gradient by 1/0, silently (torch's CPU scaler: NaN weights after the first step)."""
-    scaler = state.scaler
-    if not isinstance(scaler, torch.amp.GradScaler) or not scaler.is_enabled():
+    of "x" or a growth tracker of 10**30 failed at the first step (TypeError, OverflowError)."""
+    found = _scaler_state(state)
+    if found is None:
         return None
-    found = scaler.state_dict()
     for name, (kind, holds, wanted) in SCALER_LIMITS.items():
         value = found.get(name)
         if not _scaler_number(value, kind, holds):
@@ -138,6 +142,21 @@ def _scaler_problem(state: State) -> str | None:
         return (f"its GradScaler counted {found['_growth_tracker']} steps towards a growth_interval of "
                 f"{found['growth_interval']}")
     return None
+
+
+def _scale_backed_off_to_zero(state: State) -> bool:
+    """A scale of 0 is one torch reaches itself: halved at every overflowing step, float32 underflows to 0
+    after about 166 in a row. From there every gradient is unscaled by 1/0 and every step overflows (torch's
+    CPU scaler: NaN weights after the first step). Not damage, but a run that cannot go on from here."""
+    found = _scaler_state(state)
+    return found is not None and found["scale"] == 0
+
+
+def _scaler_state(state: State) -> dict[str, Any] | None:
+    scaler = state.scaler
+    if not isinstance(scaler, torch.amp.GradScaler) or not scaler.is_enabled():
+        return None
+    return scaler.state_dict()
 
 
 def _scaler_number(value: Any, kind: type, holds: Callable[[Any], bool]) -> bool:

@@ -205,10 +205,13 @@ def _scaled_state(steps: int = 0) -> State:
 # Each loaded without a word: the first two failed at the first step (TypeError, OverflowError), a scale
 # of 0 made the weights NaN at the first step.
 DAMAGED_SCALERS = {
-    "a scale of 'x'": ("scale", "x", "is damaged: its GradScaler scale is 'x', not a finite number above 0"),
+    "a scale of 'x'": ("scale", "x", "is damaged: its GradScaler scale is 'x', not a finite number, 0 or above"),
     "a growth tracker of 10**30": ("_growth_tracker", 10 ** 30, "is damaged: its GradScaler _growth_tracker is "
                                    "1000000000000000000000000000000, not a whole number of steps from 0 to 2**31-1"),
-    "a scale of 0": ("scale", 0.0, "is damaged: its GradScaler scale is 0.0, not a finite number above 0"),
+    "a scale of -1": ("scale", -1.0, "is damaged: its GradScaler scale is -1.0, not a finite number, 0 or above"),
+    # Not damage: torch halves the scale at each overflowing step, to 0 after about 166 in a row.
+    "a scale backed off to 0": ("scale", 0.0, "cannot be trained on: its loss scale (--precision amp_fp16) backed "
+                                "off to 0"),
     "a scale of inf": ("scale", float("inf"), "is damaged: its GradScaler scale is inf"),
     "a scale of 10**400": ("scale", 10 ** 400, "is damaged: its GradScaler scale is 1000"),
     "a growth factor of 0.5": ("growth_factor", 0.5, "is damaged: its GradScaler growth_factor is 0.5, not a finite "
@@ -235,6 +238,23 @@ def test_a_damaged_loss_scaler_is_refused(case: str) -> None:
     with pytest.raises(CheckpointLoadError, match="^checkpoint here ") as refused:
         restore(_scaled_state(), tree, "here", 0, {})
     assert says in str(refused.value)
+
+
+def test_a_run_whose_loss_scale_backed_off_to_0_is_refused_as_one_that_cannot_go_on() -> None:
+    """torch's own updates reach a scale of 0: every step overflowing (here an infinite loss), halved each
+    time, float32 underflows. The message says so, and not that the checkpoint is damaged."""
+    diverged = _scaled_state()
+    model, optimizer, scaler = diverged.model, diverged.optimizers[0], diverged.scaler
+    steps = 0
+    while scaler.get_scale() > 0:
+        scaler.scale(model(torch.ones(2)).sum() * float("inf")).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        steps += 1
+    assert 100 < steps < 200
+    with pytest.raises(CheckpointLoadError, match="^checkpoint here cannot be trained on: its loss scale"):
+        restore(_scaled_state(), diverged.state_dict(), "here", 0, {})
 
 
 def test_a_loss_scaler_restores_and_scales_on() -> None:
