@@ -108,7 +108,8 @@ def build(cfg: TrainConfig, defer_init: bool = False) -> Run:
 
 def _assemble(cfg: TrainConfig, defer_init: bool) -> Run | None:
     """The Run; None where the model was deferred and something built after it drew from the global random
-    generators (a --data set drawn with torch.randn): it would differ from a normal start's."""
+    generators (a --data set drawn with torch.randn): it would differ from a normal start's; or where the
+    ranks did not all defer (``_start_over``)."""
     rank, world = distributed.rank(), distributed.world_size()
 
     def seed() -> None:
@@ -143,6 +144,11 @@ def _assemble(cfg: TrainConfig, defer_init: bool) -> Run | None:
                              pin_memory=pin, generator=torch.Generator(), worker_init_fn=leave_stop_signals_to_the_job)
     eval_metrics = {k: m.to(device) for k, m in _metrics(model, train=False).items()}
     train_metrics = {k: m.to(device) for k, m in _metrics(model, train=True).items()}
+    if defer and _start_over(deferred, rng_kept):  # before the wrap below keeps this model until exit
+        logger.info("something built after the model (--data %r, its metrics) draws from the global random "
+                    "generators, or a rank could not defer: the model is built with its random initialisation, "
+                    "as on a normal start", cfg.data)
+        return None
 
     mesh = None
     if cfg.sharded:
@@ -169,12 +175,18 @@ def _assemble(cfg: TrainConfig, defer_init: bool) -> Run | None:
         train_metrics=train_metrics,
     )
     state.schedulers = schedulers
-    if rng_kept is not None and not rng_kept():  # built from other draws than on a normal start
-        logger.info("something built after the model (--data %r, its metrics) draws from the global random "
-                    "generators: the model is built with its random initialisation, as on a normal start", cfg.data)
-        return None
     return Run(state=state, sampler=sampler, device=device, world_size=world, mesh=mesh, schedule_steps=steps,
                pending_init=partial(deferred_init.initialise, module, factory, seed, name) if deferred else None)
+
+
+def _start_over(deferred: bool, rng_kept: Callable[[], bool] | None) -> bool:
+    """Whether every rank builds again, without deferring (collective, where every rank was asked to defer).
+    One rank's draws from the global generators (a --data set drawn with torch.randn) would make its data
+    differ from a normal start's; and where one rank deferred and another could not (its model failed on the
+    meta device), a first start's broadcast would wait for ranks that never join it."""
+    drew = deferred and rng_kept is not None and not rng_kept()
+    some_drew, some_deferred, some_not = distributed.agree(drew, deferred, not deferred)
+    return some_drew or (some_deferred and some_not)
 
 
 def refit_schedule(run: Run, lr: float) -> None:

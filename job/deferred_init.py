@@ -126,7 +126,9 @@ def _incomplete(model: nn.Module) -> str | None:
         where = f" in {name}" if name else ""
         if module._non_persistent_buffers_set:
             return f"has non-persistent buffers{where} ({', '.join(sorted(module._non_persistent_buffers_set))})"
-        tensors = sorted(key for key, value in vars(module).items() if key not in _MODULE_OWN and _holds_tensor(value))
+        own = {id(t) for t in (*module._parameters.values(), *module._buffers.values()) if t is not None}
+        tensors = sorted(key for key, value in vars(module).items()
+                         if key not in _MODULE_OWN and _holds_tensor(value, own))
         if tensors:
             return f"keeps tensors outside its parameters and buffers{where} ({', '.join(tensors)})"
         lazy = [key for key, t in [*module._parameters.items(), *module._buffers.items()]
@@ -140,16 +142,17 @@ def _incomplete(model: nn.Module) -> str | None:
 _MODULE_OWN = frozenset(vars(nn.Module()))
 
 
-def _holds_tensor(value: Any, depth: int = 0) -> bool:
+def _holds_tensor(value: Any, own: set[int], depth: int = 0) -> bool:
     """A tensor, or a list, tuple or dict that holds one (a few levels deep: a table of per-layer
-    caches): on the meta device these stay meta tensors, which the load never replaces."""
+    caches): on the meta device these stay meta tensors, which the load never replaces. Not the module's
+    own parameters and buffers (``own``, by id) listed again: nn.LSTM keeps them in ``_flat_weights``."""
     if isinstance(value, torch.Tensor):
-        return True
+        return id(value) not in own
     if depth >= 3:
         return False
     if isinstance(value, dict):
         value = list(value.values())
-    return isinstance(value, (list, tuple)) and any(_holds_tensor(item, depth + 1) for item in value)
+    return isinstance(value, (list, tuple)) and any(_holds_tensor(item, own, depth + 1) for item in value)
 
 
 def _materialise(model: nn.Module, device: torch.device) -> None:

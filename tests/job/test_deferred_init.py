@@ -188,6 +188,26 @@ def test_a_deferred_model_is_allocated_on_the_device_with_its_ties_kept():
     assert layout.conv.weight.stride() == _ChannelsLast().conv.weight.stride() != (36, 9, 3, 1)
 
 
+class _Recurrent(nn.Module):
+    skip_init_on_resume = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(4, 8, num_layers=2)  # lists its own parameters again in _flat_weights
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rnn(x)[0]
+
+
+def test_a_recurrent_model_is_deferred_and_computes_with_what_is_loaded():
+    model, deferred = deferred_init.construct(_Recurrent, CPU, defer=True)
+    assert deferred
+    twin = _Recurrent()
+    model.load_state_dict(twin.state_dict())
+    x = torch.randn(3, 2, 4)
+    assert torch.equal(model(x), twin(x))
+
+
 @pytest.mark.parametrize("factory, warned", [
     (_Cache, "non-persistent buffers (cache)"),
     (_Attribute, "keeps tensors outside its parameters and buffers (table)"),
@@ -261,13 +281,13 @@ DDP_ARGS = ["--max-duration", "12ba", "--save-interval", "4ba", "--eval-interval
             "--seed", "5", "--log-format", "json"]
 
 
-def _two_ranks(folder, *extra: str) -> list[dict]:
+def _two_ranks(folder, *extra: str, timeout: float = 300) -> list[dict]:
     """`job train` with the built-in MLP (it opts in) on two ranks, to the end; its events."""
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
             "-m", "job", "train", *DDP_ARGS, "--save-folder", str(folder), *extra]
     proc = JobProcess(argv, env=job_env())
     try:
-        code = proc.wait(300)
+        code = proc.wait(timeout)
     finally:
         proc.kill()
     assert code == 0, proc.stderr[-3000:]
@@ -286,6 +306,17 @@ def test_two_ranks_that_find_no_checkpoint_start_as_a_normal_start(tmp_path):
     deferred = _two_ranks(tmp_path / "deferred", "--remote", f"file://{tmp_path / 'bucket'}")
     assert _built_deferred(normal) == [False] and _built_deferred(deferred) == [True]
     assert inspect(tmp_path / "deferred")["model_sha256"] == inspect(tmp_path / "normal")["model_sha256"]
+
+
+@pytest.mark.slow
+def test_two_ranks_build_again_together_when_one_draws_from_the_generators(tmp_path):
+    """Rank 0's data set draws when built, rank 1's does not: rank 0 alone built again once and went on to
+    other collectives than rank 1's, and the run hung. Now both build again, without deferring."""
+    data = ["--data", "tests.support.rank_zero_draws:build"]
+    normal = _two_ranks(tmp_path / "normal", "--resume", "never", *data, timeout=120)
+    again = _two_ranks(tmp_path / "again", "--remote", f"file://{tmp_path / 'bucket'}", *data, timeout=120)
+    assert _built_deferred(normal) == _built_deferred(again) == [False]
+    assert inspect(tmp_path / "again")["model_sha256"] == inspect(tmp_path / "normal")["model_sha256"]
 
 
 @pytest.mark.slow
