@@ -5,7 +5,9 @@ chosen one on every rank, on every node, with what was per rank handed over by j
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import Future
+from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -119,23 +121,25 @@ def resume(state: State, cfg: CheckpointConfig, checkpointer: Checkpointer, meta
     handed over by job.elastic (on another number of ranks too). None when there is nothing to resume.
 
     In a sharded run every rank reads its part of the chosen checkpoint itself (DCP reshards it to this
-    run's ranks); otherwise rank 0 reads the whole state (a sharded checkpoint reassembled) and broadcasts
-    it. A sharded run on several nodes resumes a newer checkpoint from the bucket with each node
-    downloading only what its ranks read (job.node_pull).
+    run's ranks). Otherwise, on one node, every rank maps the chosen ``state.pt`` itself (the same file,
+    the same page cache); on several nodes rank 0 reads the whole state (a sharded checkpoint reassembled)
+    and broadcasts it. A sharded run on several nodes resumes a newer checkpoint from the bucket with each
+    node downloading only what its ranks read (job.node_pull).
     """
     loaded = None
     if mesh is not None and distributed.nodes() > 1 and cfg.resume == "auto":
         found = node_pull.resume_from_bucket(state, cfg.folder, store, _newest_whole_local(cfg.folder), meta)
         if found is not None:
             tree, manifest, source = found
-            loaded = (tree, source, manifest.meta, manifest.step, manifest.timer)
+            loaded = (lambda: tree, source, manifest.meta, manifest.step, manifest.timer)
     if loaded is None:
         loaded = _load_chosen(state, cfg, checkpointer, meta, store, mesh, pulling)
     if loaded is None:
         return None
-    tree, source, ckpt_meta, step, timer = loaded
+    read, source, ckpt_meta, step, timer = loaded
     error: str | None = None
     try:  # what is per rank can be damaged for one rank only: every rank refuses it, none trains on alone
+        tree = read()
         handover = elastic.for_this_rank(tree, distributed.rank(), distributed.world_size(),
                                          seed=state.rank_zero_seed, step=step, source=source)
         restore(state, handover.tree, source, step, timer, then=handover.finish)
@@ -158,18 +162,24 @@ def _newest_whole_local(folder: Path) -> int:
 
 def _load_chosen(state: State, cfg: CheckpointConfig, checkpointer: Checkpointer, meta: dict[str, Any],
                  store: RemoteStore | None, mesh: DeviceMesh | None, pulling: Future[LocalCheckpoint | None] | None,
-                 ) -> tuple[Any, str, dict[str, Any], int, dict[str, int]] | None:
-    """The checkpoint rank 0 chooses, read: its state dict, where it came from, its meta, step and timer."""
+                 ) -> tuple[Callable[[], Any], str, dict[str, Any], int, dict[str, int]] | None:
+    """The checkpoint rank 0 chooses: how this rank reads its state dict (inside resume's agreement on
+    errors: a rank that cannot read it refuses it for all), where it came from, its meta, step and timer."""
     loaded: tuple[str, Any, str, dict[str, Any], int, dict[str, int]] | None = None
     if distributed.rank() == 0:
         chosen = choose(cfg, checkpointer, store, pulling)
         if chosen is not None:
             folder, manifest, source = chosen
             check_settings(manifest, meta)
-            # Sharded run: every rank reads its part from the folder, resharded by DCP (job.sharded). Otherwise
-            # rank 0 reads the whole state (a sharded checkpoint reassembled) and broadcasts it.
-            loaded = (("sharded", (str(folder), manifest), source) if mesh is not None
-                      else ("full", load_state_file(folder, manifest), source))
+            # Sharded run: every rank reads its part from the folder, resharded by DCP (job.sharded). A state.pt
+            # on one node: every rank maps it. Otherwise rank 0 reads the whole state (a sharded checkpoint
+            # reassembled) and broadcasts it: pickled, copied into each rank, twice the state in flight.
+            if mesh is not None:
+                loaded = ("sharded", (str(folder), manifest), source)
+            elif distributed.nodes() == 1 and not manifest.meta.get("sharded"):
+                loaded = ("file", (str(folder), manifest), source)
+            else:
+                loaded = ("full", load_state_file(folder, manifest), source)
             loaded = (*loaded, manifest.meta, manifest.step, manifest.timer)
     loaded = distributed.broadcast_choice(loaded)
     if loaded is None:
@@ -179,8 +189,11 @@ def _load_chosen(state: State, cfg: CheckpointConfig, checkpointer: Checkpointer
         if distributed.node_leader() and distributed.rank() != 0:
             _whole_on_this_node(store, Path(payload[0]).parent, step, source, pulling)
         distributed.barrier()
-    tree = load_shard(Path(payload[0]), payload[1], state) if kind == "sharded" else payload
-    return tree, source, ckpt_meta, step, timer
+    if kind == "sharded":
+        return partial(load_shard, Path(payload[0]), payload[1], state), source, ckpt_meta, step, timer
+    if kind == "file":
+        return partial(load_state_file, Path(payload[0]), payload[1]), source, ckpt_meta, step, timer
+    return lambda: payload, source, ckpt_meta, step, timer
 
 
 def _whole_on_this_node(store: RemoteStore | None, folder: Path, step: int, source: str,
