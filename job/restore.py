@@ -55,8 +55,8 @@ def restore(state: State, tree: Mapping[Any, Any], source: str, step: int, timer
         raise CheckpointLoadError(
             f"checkpoint {source} cannot be trained on: its loss scale (--precision amp_fp16) backed off to 0, "
             "as it does when step after step overflows (a run that diverged), and from 0 every step overflows "
-            "again; resume an earlier checkpoint with --resume PATH, or start a new run in another "
-            "--save-folder/--remote")
+            "again; move it and any newer checkpoints out of --save-folder and --remote, and resume an earlier "
+            "one with a lower --lr (with the same flags the same steps overflow again)")
 
 
 def _what_differs(error: Exception) -> str:
