@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 from torch.distributed.device_mesh import DeviceMesh
 
 from job import distributed, elastic, node_pull
-from job.checkpoint import Checkpointer, check_settings, load_shard, load_state_file, open_checkpoint
+from job.checkpoint import STATE_FILE, Checkpointer, check_settings, load_shard, load_state_file, open_checkpoint
 from job.config import CheckpointConfig
 from job.exceptions import CheckpointLoadError, ConfigError
 from job.logs import event
@@ -122,9 +122,10 @@ def resume(state: State, cfg: CheckpointConfig, checkpointer: Checkpointer, meta
 
     In a sharded run every rank reads its part of the chosen checkpoint itself (DCP reshards it to this
     run's ranks). Otherwise, on one node, every rank maps the chosen ``state.pt`` itself (the same file,
-    the same page cache); on several nodes rank 0 reads the whole state (a sharded checkpoint reassembled)
-    and broadcasts it. A sharded run on several nodes resumes a newer checkpoint from the bucket with each
-    node downloading only what its ranks read (job.node_pull).
+    the same page cache, checked by its identity); on several nodes, or for a sharded checkpoint, rank 0
+    reads the whole state (a sharded checkpoint reassembled) and broadcasts it. A sharded run on several
+    nodes resumes a newer checkpoint from the bucket with each node downloading only what its ranks read
+    (job.node_pull).
     """
     loaded = None
     if mesh is not None and distributed.nodes() > 1 and cfg.resume == "auto":
@@ -177,7 +178,7 @@ def _load_chosen(state: State, cfg: CheckpointConfig, checkpointer: Checkpointer
             if mesh is not None:
                 loaded = ("sharded", (str(folder), manifest), source)
             elif distributed.nodes() == 1 and not manifest.meta.get("sharded"):
-                loaded = ("file", (str(folder), manifest), source)
+                loaded = ("file", (str(folder), manifest, file_identity(folder / STATE_FILE)), source)
             else:
                 loaded = ("full", load_state_file(folder, manifest), source)
             loaded = (*loaded, manifest.meta, manifest.step, manifest.timer)
@@ -192,8 +193,43 @@ def _load_chosen(state: State, cfg: CheckpointConfig, checkpointer: Checkpointer
     if kind == "sharded":
         return partial(load_shard, Path(payload[0]), payload[1], state), source, ckpt_meta, step, timer
     if kind == "file":
-        return partial(load_state_file, Path(payload[0]), payload[1]), source, ckpt_meta, step, timer
+        folder, manifest, identity = payload
+        (elsewhere,) = distributed.agree(file_identity(Path(folder) / STATE_FILE) != identity)
+        if not elsewhere:
+            return partial(load_state_file, Path(folder), manifest), source, ckpt_meta, step, timer
+        # A rank that sees another file there (or none) is on another machine after all (a launcher without
+        # LOCAL_WORLD_SIZE, or nodes of different sizes): rank 0 sends the state, as across nodes.
+        logger.warning("not every rank sees the checkpoint file rank 0 chose (%s): rank 0 sends it", source)
+        return _sent_by_first(Path(folder), manifest), source, ckpt_meta, step, timer
     return lambda: payload, source, ckpt_meta, step, timer
+
+
+def _sent_by_first(folder: Path, manifest: Manifest) -> Callable[[], Any]:
+    """Rank 0 reads the state and sends it to every rank (collective); its failure to read it is sent too,
+    and raised by every rank inside resume's agreement, where it would otherwise leave the others waiting."""
+    sent: Any = None
+    if distributed.rank() == 0:
+        try:
+            sent = load_state_file(folder, manifest)
+        except CheckpointLoadError as e:
+            sent = e
+    got = distributed.broadcast_choice(sent)
+
+    def read() -> Any:
+        if isinstance(got, CheckpointLoadError):
+            raise got
+        return got
+    return read
+
+
+def file_identity(path: Path) -> tuple[int, int, int, int] | None:
+    """Which file ``path`` is (device, inode, size, modification time): the same on every rank that sees
+    the one rank 0 chose; None where there is none."""
+    try:
+        found = path.stat()
+    except OSError:
+        return None
+    return found.st_dev, found.st_ino, found.st_size, found.st_mtime_ns
 
 
 def _whole_on_this_node(store: RemoteStore | None, folder: Path, step: int, source: str,

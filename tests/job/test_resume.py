@@ -95,3 +95,33 @@ def test_resume_never_refuses_a_folder_that_holds_another_run(tiny_config, tmp_p
     with pytest.raises(ConfigError, match="already holds checkpoints of a run .*its own --save-folder"):
         train_state(tiny_config(), ckpt_config(folder, resume="never"))
     assert checkpoints_of(folder) == before
+
+
+@pytest.mark.slow
+def test_ranks_that_do_not_see_rank_0s_file_are_sent_the_state(tiny_config, tmp_path):
+    """On one node every rank maps the state.pt rank 0 chose (job.resume); a rank that sees another file
+    there, or none (another machine's disk), gets the state from rank 0 instead, and resumes the same."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.support.jobs import job_env
+
+    folder = tmp_path / "ckpts"
+    train_state(tiny_config(max_duration="4ba"), ckpt_config(folder, interval="2ba", async_save=False))
+
+    def two_ranks(view: str) -> tuple[list[dict], str]:
+        out = tmp_path / view
+        out.mkdir()
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                               "2", "-m", "tests.support.resume_views", str(folder), view, str(out)],
+                              env=job_env(), capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return [json.loads(p.read_text()) for p in sorted(out.glob("rank-*.json"))], done.stderr
+
+    mapped, quiet = two_ranks("same")
+    sent, warned = two_ranks("other")
+    assert [r["rank"] for r in mapped] == [r["rank"] for r in sent] == [0, 1]
+    assert {r["step"] for r in mapped + sent} == {4}
+    assert len({r["model"] for r in mapped + sent}) == 1
+    assert "rank 0 sends it" in warned and "rank 0 sends it" not in quiet

@@ -1,0 +1,41 @@
+"""Under torchrun (CPU, gloo): job.resume.resume of the newest checkpoint in FOLDER on every rank, then each
+rank writes ``OUT/rank-R.json``: ``{"rank": r, "step": s, "model": sha256 of the model's weights}``.
+
+``python -m tests.support.resume_views FOLDER same|other OUT``: with ``other``, rank 1 sees no file where rank 0
+chose one, as a rank on another machine sees its own disk (a launcher that does not set LOCAL_WORLD_SIZE
+makes every rank look like one node's).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+from job import distributed
+from job import resume as resume_module
+from job.app import run_meta
+from job.build import build
+from job.checkpoint import Checkpointer
+from job.cli import torchrun_env
+from tests.support.jobs import ckpt_config, train_config
+
+
+def main(folder: str, view: str, out: str) -> None:
+    distributed.init(torchrun_env(), "cpu")
+    if view == "other" and distributed.rank() == 1:
+        resume_module.file_identity = lambda path: None  # type: ignore[assignment]
+    cfg = train_config()
+    run = build(cfg, defer_init=True)
+    ckpt = ckpt_config(Path(folder))
+    meta = run_meta(cfg)
+    resumed = resume_module.resume(run.state, ckpt, Checkpointer(ckpt.folder, ckpt.keep, meta), meta, None)
+    weights = b"".join(t.detach().contiguous().numpy().tobytes() for t in run.state.model.state_dict().values())
+    found = {"rank": distributed.rank(), "step": run.state.timer.batch.value if resumed else None,
+             "model": hashlib.sha256(weights).hexdigest()}
+    (Path(out) / f"rank-{distributed.rank()}.json").write_text(json.dumps(found))
+    distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
