@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -34,8 +35,10 @@ def main(folder: str, view: str, out: str) -> None:
     found = {"rank": distributed.rank(), "step": run.state.timer.batch.value if resumed else None,
              "model": hashlib.sha256(weights).hexdigest()}
     (Path(out) / f"rank-{distributed.rank()}.json").write_text(json.dumps(found))
-    distributed.shutdown()
 
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # never through gloo's destructors (job.distributed.joined): they abort or hang at exit
