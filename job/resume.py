@@ -166,7 +166,7 @@ def _load_chosen(state: State, cfg: CheckpointConfig, checkpointer: Checkpointer
                  ) -> tuple[Callable[[], Any], str, dict[str, Any], int, dict[str, int]] | None:
     """The checkpoint rank 0 chooses: how this rank reads its state dict (inside resume's agreement on
     errors: a rank that cannot read it refuses it for all), where it came from, its meta, step and timer."""
-    loaded: tuple[str, Any, str, dict[str, Any], int, dict[str, int]] | None = None
+    loaded: tuple[str, str, Manifest, Any, str] | None = None
     if distributed.rank() == 0:
         chosen = choose(cfg, checkpointer, store, pulling)
         if chosen is not None:
@@ -175,33 +175,29 @@ def _load_chosen(state: State, cfg: CheckpointConfig, checkpointer: Checkpointer
             # Sharded run: every rank reads its part from the folder, resharded by DCP (job.sharded). A state.pt
             # on one node: every rank maps it. Otherwise rank 0 reads the whole state (a sharded checkpoint
             # reassembled) and broadcasts it: pickled, copied into each rank, twice the state in flight.
-            if mesh is not None:
-                loaded = ("sharded", (str(folder), manifest), source)
-            elif distributed.nodes() == 1 and not manifest.meta.get("sharded"):
-                loaded = ("file", (str(folder), manifest, file_identity(folder / STATE_FILE)), source)
-            else:
-                loaded = ("full", load_state_file(folder, manifest), source)
-            loaded = (*loaded, manifest.meta, manifest.step, manifest.timer)
+            kind = ("sharded" if mesh is not None else
+                    "file" if distributed.nodes() == 1 and not manifest.meta.get("sharded") else "full")
+            identity = file_identity(folder / STATE_FILE) if kind == "file" else None
+            loaded = (kind, str(folder), manifest, identity, source)
     loaded = distributed.broadcast_choice(loaded)
     if loaded is None:
         return None
-    kind, payload, source, ckpt_meta, step, timer = loaded
+    kind, where, manifest, identity, source = loaded
+    folder = Path(where)
     if kind == "sharded" and distributed.nodes() > 1:  # every node reads the whole from its own disk
         if distributed.node_leader() and distributed.rank() != 0:
-            _whole_on_this_node(store, Path(payload[0]).parent, step, source, pulling)
+            _whole_on_this_node(store, folder.parent, manifest.step, source, pulling)
         distributed.barrier()
     if kind == "sharded":
-        return partial(load_shard, Path(payload[0]), payload[1], state), source, ckpt_meta, step, timer
-    if kind == "file":
-        folder, manifest, identity = payload
-        (elsewhere,) = distributed.agree(file_identity(Path(folder) / STATE_FILE) != identity)
-        if not elsewhere:
-            return partial(load_state_file, Path(folder), manifest), source, ckpt_meta, step, timer
-        # A rank that sees another file there (or none) is on another machine after all (a launcher without
-        # LOCAL_WORLD_SIZE, or nodes of different sizes): rank 0 sends the state, as across nodes.
-        logger.warning("not every rank sees the checkpoint file rank 0 chose (%s): rank 0 sends it", source)
-        return _sent_by_first(Path(folder), manifest), source, ckpt_meta, step, timer
-    return lambda: payload, source, ckpt_meta, step, timer
+        read: Callable[[], Any] = partial(load_shard, folder, manifest, state)
+    elif kind == "file" and not distributed.agree(file_identity(folder / STATE_FILE) != identity)[0]:  # all ranks
+        read = partial(load_state_file, folder, manifest)
+    else:
+        if kind == "file":  # a rank that sees another file there, or none, is on another machine after all (a
+            # launcher without LOCAL_WORLD_SIZE, or nodes of different sizes): rank 0 sends it, as across nodes
+            logger.warning("not every rank sees the checkpoint file rank 0 chose (%s): rank 0 sends it", source)
+        read = _sent_by_first(folder, manifest)
+    return read, source, manifest.meta, manifest.step, manifest.timer
 
 
 def _sent_by_first(folder: Path, manifest: Manifest) -> Callable[[], Any]:
