@@ -18,6 +18,7 @@ from job import deferred_init
 from job.build import build
 from job.storage import RemoteConfig
 from state import seed_all
+from tests.support.elastic import TORCHRUN
 from tests.support.jobs import JobProcess, assert_states_equal, ckpt_config, inspect, job_env, train_state
 from uploader.config import UploadConfig
 from uploader.local import checkpoint_name
@@ -283,9 +284,8 @@ DDP_ARGS = ["--max-duration", "12ba", "--save-interval", "4ba", "--eval-interval
 
 def _two_ranks(folder, *extra: str, timeout: float = 300) -> list[dict]:
     """`job train` with the built-in MLP (it opts in) on two ranks, to the end; its events."""
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-            "-m", "job", "train", *DDP_ARGS, "--save-folder", str(folder), *extra]
-    proc = JobProcess(argv, env=job_env())
+    proc = JobProcess([*TORCHRUN, "--nproc-per-node", "2", "-m", "job", "train", *DDP_ARGS, "--save-folder",
+                       str(folder), *extra], env=job_env())
     try:
         code = proc.wait(timeout)
     finally:

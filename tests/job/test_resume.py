@@ -1,13 +1,15 @@
 """Bit-exact resume: training interrupted and resumed equals training straight through."""
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
 
 from job.exceptions import ConfigError
 from tests.support.checkpoints import checkpoints_of
-from tests.support.jobs import assert_states_equal, ckpt_config, train_state
+from tests.support.elastic import TORCHRUN
+from tests.support.jobs import JobProcess, assert_states_equal, ckpt_config, job_env, train_state
 from uploader import local
 
 BATCHES_PER_EPOCH = 48  # spirals: 3072 samples / 64
@@ -101,23 +103,20 @@ def test_resume_never_refuses_a_folder_that_holds_another_run(tiny_config, tmp_p
 def test_ranks_that_do_not_see_rank_0s_file_are_sent_the_state(tiny_config, tmp_path):
     """On one node every rank maps the state.pt rank 0 chose (job.resume); a rank that sees another file
     there, or none (another machine's disk), gets the state from rank 0 instead, and resumes the same."""
-    import json
-    import subprocess
-    import sys
-
-    from tests.support.jobs import job_env
-
     folder = tmp_path / "ckpts"
     train_state(tiny_config(max_duration="4ba"), ckpt_config(folder, interval="2ba", async_save=False))
 
     def two_ranks(view: str) -> tuple[list[dict], str]:
         out = tmp_path / view
         out.mkdir()
-        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                               "2", "-m", "tests.support.resume_views", str(folder), view, str(out)],
-                              env=job_env(), capture_output=True, text=True, timeout=240)
-        assert done.returncode == 0, done.stderr[-3000:]
-        return [json.loads(p.read_text()) for p in sorted(out.glob("rank-*.json"))], done.stderr
+        proc = JobProcess([*TORCHRUN, "--nproc-per-node", "2", "-m", "tests.support.resume_views", str(folder), view,
+                           str(out)], env=job_env())
+        try:
+            code = proc.wait(240)
+        finally:
+            proc.kill()
+        assert code == 0, proc.stderr[-3000:]
+        return [json.loads(p.read_text()) for p in sorted(out.glob("rank-*.json"))], proc.stderr
 
     mapped, quiet = two_ranks("same")
     sent, warned = two_ranks("other")
