@@ -11,7 +11,7 @@ What each side does, so the ratio can be read fairly:
   sidecar do for their lifetime; the upload's data client is made at its first upload (round 1).
 * ours up: read the file once (page cache), hash it while reading (BLAKE3 blocks), multipart upload
   (``--part-size`` x ``--concurrency`` in flight), the manifest last, ``latest``, retention. Over this
-  plain HTTP each part goes as UNSIGNED-PAYLOAD with a CRC32 the server checks (uploader.transit); s5cmd
+  plain HTTP each part goes as UNSIGNED-PAYLOAD with a CRC32C the server checks (uploader.transit); s5cmd
   SHA-256-signs its parts; s3tc sends them as UNSIGNED-PAYLOAD with no checksum at all (seen on the wire).
 * ours down: list, read the manifest, HEAD, ranged GETs (``--part-size`` x ``--concurrency``), each
   streamed from the socket into its place in the file and block-hashed by its thread (format 2),

@@ -72,7 +72,7 @@ TRANSIENT_ERROR_CODES = frozenset(
         "RequestTimeoutException",
         "InternalError",
         "ServiceUnavailable",
-        # A body that reached the server damaged (its CRC32 or SHA-256 does not match, uploader.transit):
+        # A body that reached the server damaged (its CRC32C or SHA-256 does not match, uploader.transit):
         # sent again, it arrives whole.
         "BadDigest",
         "XAmzContentSHA256Mismatch",

@@ -5,7 +5,7 @@ available, and the SDK's newer default checksums are switched to "when_required"
 servers reject or mangle them. Integrity is ours instead: every file's digest (the manifest's
 ``blake3`` or ``sha256``, uploader.hashing) is checked while it streams, and stored as
 ``x-amz-meta-digest`` (older builds: ``x-amz-meta-sha256``, still read) so that a resumed upload can
-skip what is already there. In transit, TLS protects the bytes; over plain HTTP a CRC32 that the server
+skip what is already there. In transit, TLS protects the bytes; over plain HTTP a CRC32C that the server
 verifies protects the checkpoint's data, and a SHA-256 signature everything else (uploader.transit).
 
 Credentials come only from boto3's standard chain (environment, shared files, web identity / IRSA,
@@ -121,7 +121,7 @@ def make_client(config: UploadConfig, sign_payload: bool | None = None) -> Any:
 
     ``endpoint_url=None`` lets botocore use AWS_ENDPOINT_URL (or AWS_ENDPOINT_URL_S3) if set.
     ``sign_payload=None`` SHA-256-signs request bodies only over plain HTTP (below); the checkpoint's
-    data goes through a second client with ``sign_payload=False`` and a CRC32 instead (uploader.transit).
+    data goes through a second client with ``sign_payload=False`` and a CRC32C instead (uploader.transit).
     """
     session = boto3.session.Session()
 
@@ -246,7 +246,7 @@ class S3Remote:
         return cls(bucket, prefix, config)
 
     def _data_path(self, own_client: bool) -> Transit:
-        """How the checkpoint's data goes up (uploader.transit): over plain HTTP, unsigned with a CRC32 the
+        """How the checkpoint's data goes up (uploader.transit): over plain HTTP, unsigned with a CRC32C the
         server checks, through a second client made at the first upload (a remote that only reads never
         needs it); a client passed in sends everything, as it is configured."""
         https = str(self._client.meta.endpoint_url).startswith("https://")

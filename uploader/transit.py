@@ -6,13 +6,16 @@ Over plain HTTP (a local MinIO or SeaweedFS) something else must, or a byte flip
 process and the server's disk is stored, and found only when a resume verifies the checkpoint and
 has to fall back to an older one. botocore's answer is to SHA-256-sign every body: about 0.6 CPU-s
 per GiB in the client and as much again in the server, which recomputes it. Ours, for the data (the
-checkpoint's files): a CRC32 in ``x-amz-checksum-crc32``, which the server verifies before it stores
-the part, answering ``BadDigest`` otherwise (uploader.retry resends it); 0.3 CPU-s per GiB here, less
-in a Go or Rust server. It catches the same accidents. It is not a defence against someone on the
-path, and neither is the signature over plain HTTP: responses are never signed, so whoever could
-change an upload could change the download as well; the manifest's digests catch either at resume,
-and TLS is the answer to an attacker. Small bodies (manifests, markers, run logs, the XML of a
-multipart upload's completion) keep the signature: it costs nothing there.
+checkpoint's files): a CRC32C in ``x-amz-checksum-crc32c``, which the server verifies before it stores
+the part, answering ``BadDigest`` otherwise (uploader.retry resends it). CRC32C rather than S3's other
+CRC, CRC32, because CPUs compute it in hardware (SSE 4.2's ``crc32`` instruction, ARMv8's CRC32C ones)
+and PyPI's ``crc32c`` uses them: 0.1 CPU-s per GiB here against 0.5 for ``zlib.crc32``, which was a
+third of the sidecar's CPU per uploaded GiB (BENCHMARKS.md, "Nineteenth session"). It catches the same
+accidents. It is not a defence against someone on the path, and neither is the signature over plain
+HTTP: responses are never signed, so whoever could change an upload could change the download as well;
+the manifest's digests catch either at resume, and TLS is the answer to an attacker. Small bodies
+(manifests, markers, run logs, the XML of a multipart upload's completion) keep the signature: it costs
+nothing there.
 
 A server that does not know the header ignores it, and then does not echo it in its reply (AWS S3,
 MinIO, SeaweedFS and Ceph do echo it). Such a reply means the body went unverified: it is sent again,
@@ -26,10 +29,10 @@ from __future__ import annotations
 import base64
 import logging
 import threading
-import zlib
 from collections.abc import Callable
 from typing import Any
 
+import crc32c
 from botocore.exceptions import ClientError
 
 from uploader.retry import error_code
@@ -41,14 +44,16 @@ Body = bytes | bytearray | memoryview
 # (the checksum, or nothing); returns botocore's parsed reply.
 Request = Callable[[Any, dict[str, str]], dict[str, Any]]
 
-ALGORITHM = "CRC32"
+ALGORITHM = "CRC32C"  # botocore's name: the parameters are Checksum{ALGORITHM}, the header is HEADER
+HEADER = "x-amz-checksum-crc32c"
 # How a server that does not support S3's checksums may refuse one (besides ignoring it).
 REFUSALS = frozenset({"NotImplemented", "InvalidArgument", "InvalidRequest"})
 
 
-def crc32_base64(body: Body) -> str:
-    """S3's encoding of a CRC32: the big-endian 4 bytes, base64."""
-    return base64.b64encode(zlib.crc32(body).to_bytes(4, "big")).decode("ascii")
+def crc32c_base64(body: Body) -> str:
+    """S3's encoding of a CRC32C: the big-endian 4 bytes, base64. ``crc32c`` lets go of the GIL for a
+    body this size, so the parts in flight are checked on both cores."""
+    return base64.b64encode(crc32c.crc32c(body).to_bytes(4, "big")).decode("ascii")
 
 
 class Transit:
@@ -76,11 +81,11 @@ class Transit:
         return request(self._signed, {})
 
     def send(self, request: Request, body: Body) -> dict[str, Any]:
-        """``request`` once, with the body's CRC32 if checksums are on; again, signed, if the server
+        """``request`` once, with the body's CRC32C if checksums are on; again, signed, if the server
         showed it ignored or refused the checksum. Call it inside the retry layer: a BadDigest is retried
         there."""
         if self.checksums:
-            sent = crc32_base64(body)
+            sent = crc32c_base64(body)
             reply = self._unless_refused(request, self._unsigned_client(), {f"Checksum{ALGORITHM}": sent})
             if reply is not None and reply.get(f"Checksum{ALGORITHM}") == sent:
                 return reply
@@ -120,9 +125,9 @@ class Transit:
             if not self.checksums:
                 return
             self.checksums = False
-        logger.warning("%s does not verify x-amz-checksum-crc32: it %s; checkpoint data is SHA-256-signed from "
-                       "now on, which costs more CPU on both sides; use HTTPS, or a server with S3's flexible "
-                       "checksums, to avoid that", self._where, how)
+        logger.warning("%s does not verify %s: it %s; checkpoint data is SHA-256-signed from now on, which "
+                       "costs more CPU on both sides; use HTTPS, or a server with S3's flexible checksums, to "
+                       "avoid that", self._where, HEADER, how)
 
 
 def _refused(e: ClientError) -> bool:

@@ -65,6 +65,16 @@ def test_transfer_runs_only_the_way_asked_for_and_counts_the_servers_cpu():
     assert "upload ours/s5cmd after s3tc_up = " in matched and "upload ours/s3tc after s5cmd_up = " in matched
 
 
+@pytest.mark.slow
+@pytest.mark.s3
+def test_upload_checksum_smoke():
+    needs_s3_tools()
+    done = run_bench("upload_checksum", "--smoke")
+    assert_ends_with_ratio(done)
+    assert "ratio upload ours/s3tc = " in done.stdout and "ours_crc32/s3tc = " in done.stdout
+    assert "zlib.crc32 / crc32c = " in done.stdout
+
+
 def test_transfer_refuses_an_unknown_way():
     done = run_bench("transfer", "--smoke", "--ways", "sideways")
     assert done.returncode == 2 and "--ways takes down, up or down,up" in done.stderr

@@ -1190,7 +1190,7 @@ def test_uploader_image_pins_what_pyproject_allows() -> None:
     """Pinned, like every other version here, and each pin inside the project's own range."""
     declared = {canonicalize_name(r.name): r for r in map(Requirement, project_metadata()["dependencies"])}
     requirements = uploader_requirements()
-    assert {canonicalize_name(r.name) for r in requirements} == {"blake3", "boto3", "click", "tenacity"}
+    assert {canonicalize_name(r.name) for r in requirements} == {"blake3", "boto3", "click", "crc32c", "tenacity"}
     for r in requirements:
         specs = list(r.specifier)
         assert len(specs) == 1 and specs[0].operator == "==", f"{r}: pin an exact version"
@@ -1218,7 +1218,7 @@ def test_uploader_image_has_everything_the_uploader_imports() -> None:
     provided = installed_closure(uploader_requirements())
     distributions = importlib.metadata.packages_distributions()
     imports = third_party_imports(ROOT / "uploader")
-    assert {"blake3", "boto3", "click", "tenacity"} <= set(imports), imports
+    assert {"blake3", "boto3", "click", "crc32c", "tenacity"} <= set(imports), imports
     for module, where in imports.items():
         owners = {canonicalize_name(d) for d in distributions.get(module, [])}
         assert owners & provided, f"{where} imports {module}, which the uploader image does not install"

@@ -1,4 +1,4 @@
-"""Over plain HTTP the checkpoint's data carries a CRC32 that the real server checks (uploader.transit)."""
+"""Over plain HTTP the checkpoint's data carries a CRC32C that the real server checks (uploader.transit)."""
 from __future__ import annotations
 
 import logging
@@ -13,7 +13,7 @@ from tests.support.s3server import Bucket, fast_config
 from uploader.config import MiB
 from uploader.remote import Remote, open_remote
 from uploader.sync import pull_newest, push
-from uploader.transit import crc32_base64
+from uploader.transit import HEADER, crc32c_base64
 
 pytestmark = pytest.mark.s3
 
@@ -30,7 +30,7 @@ def parts(proxy: FaultProxy) -> list[dict[str, str]]:
             if line.startswith("PUT ") and "partNumber=" in line]
 
 
-def test_data_goes_unsigned_with_a_crc32_and_small_bodies_stay_signed(
+def test_data_goes_unsigned_with_a_crc32c_and_small_bodies_stay_signed(
         fault_proxy: FaultProxy, s3_bucket: Bucket, tmp_path: Path) -> None:
     ckpt = make_checkpoint(tmp_path / "local", 10, WITH_LARGE_FILE)
     remote = via(fault_proxy, s3_bucket)
@@ -39,7 +39,8 @@ def test_data_goes_unsigned_with_a_crc32_and_small_bodies_stay_signed(
 
     sent = parts(fault_proxy)
     assert len(sent) >= 2
-    assert all(h["x-amz-content-sha256"] == "UNSIGNED-PAYLOAD" and h.get("x-amz-checksum-crc32") for h in sent)
+    assert HEADER == "x-amz-checksum-crc32c"
+    assert all(h["x-amz-content-sha256"] == "UNSIGNED-PAYLOAD" and h.get(HEADER) for h in sent)
     manifest = [h for line, h in fault_proxy.counters.request_heads
                 if line.startswith("PUT ") and "manifest.json" in line]
     assert manifest and all(SHA256_HEX.fullmatch(h["x-amz-content-sha256"]) for h in manifest)
@@ -51,7 +52,7 @@ def test_a_part_damaged_on_the_way_is_refused_by_the_server_and_sent_again(
         fault_proxy: FaultProxy, s3_bucket: Bucket, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     ckpt = make_checkpoint(tmp_path / "local", 10, WITH_LARGE_FILE)
     remote = via(fault_proxy, s3_bucket)
-    fault_proxy.corrupt(1, min_length=MiB)  # one part's first byte, after the client computed its CRC32
+    fault_proxy.corrupt(1, min_length=MiB)  # one part's first byte, after the client computed its CRC32C
 
     with caplog.at_level(logging.WARNING, logger="uploader.retry"):
         push(ckpt, remote, keep=3)
@@ -67,9 +68,9 @@ def test_a_part_damaged_on_the_way_is_refused_by_the_server_and_sent_again(
 
 def test_a_server_that_ignores_the_checksum_gets_signed_bodies_instead(
         fault_proxy: FaultProxy, s3_bucket: Bucket, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """Its replies do not echo x-amz-checksum-crc32: the unverified body is sent again signed, and so is
+    """Its replies do not echo x-amz-checksum-crc32c: the unverified body is sent again signed, and so is
     everything after it; one warning."""
-    fault_proxy.strip_response_header("x-amz-checksum-crc32")
+    fault_proxy.strip_response_header(HEADER)
     ckpt = make_checkpoint(tmp_path / "local", 10, WITH_LARGE_FILE)
     remote = via(fault_proxy, s3_bucket)
 
@@ -77,7 +78,7 @@ def test_a_server_that_ignores_the_checksum_gets_signed_bodies_instead(
         push(ckpt, remote, keep=3)
         push(make_checkpoint(tmp_path / "local", 20, WITH_LARGE_FILE), remote, keep=3)
 
-    assert caplog.text.count("does not verify x-amz-checksum-crc32") == 1
+    assert caplog.text.count(f"does not verify {HEADER}") == 1
     puts = [h for line, h in fault_proxy.counters.request_heads if line.startswith("PUT ")]
     unsigned = [h for h in puts if h["x-amz-content-sha256"] == "UNSIGNED-PAYLOAD"]
     assert 1 <= len(unsigned) <= fast_config().concurrency  # at most the first window, before the switch
@@ -98,13 +99,15 @@ def test_a_server_that_refuses_the_checksum_gets_signed_bodies_instead(
         push(ckpt, remote, keep=3)
 
     assert fault_proxy.counters.refused >= 1
-    assert caplog.text.count("does not verify x-amz-checksum-crc32: it refused it (NotImplemented)") == 1
+    assert caplog.text.count(f"does not verify {HEADER}: it refused it (NotImplemented)") == 1
     assert all(SHA256_HEX.fullmatch(h["x-amz-content-sha256"]) for h in parts(fault_proxy))
     pulled = pull_newest(remote, tmp_path / "restore")
     assert pulled is not None and data_files_of(pulled.path) == data_files_of(ckpt.path)
 
 
-def test_crc32_is_s3s_encoding() -> None:
-    """Big-endian, base64, as S3 documents x-amz-checksum-crc32: the standard check value of CRC-32."""
-    assert crc32_base64(b"123456789") == "y/Q5Jg=="  # 0xCBF43926
-    assert crc32_base64(b"") == "AAAAAA=="
+def test_crc32c_is_s3s_encoding() -> None:
+    """Big-endian, base64, as S3 documents x-amz-checksum-crc32c: the standard check value of CRC-32C
+    (Castagnoli), not CRC-32's 0xCBF43926, whatever the body's buffer type."""
+    assert crc32c_base64(b"123456789") == "4waSgw=="  # 0xE3069283
+    assert crc32c_base64(memoryview(bytearray(b"123456789"))) == "4waSgw=="
+    assert crc32c_base64(b"") == "AAAAAA=="
