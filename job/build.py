@@ -98,7 +98,7 @@ def leave_stop_signals_to_the_job(worker_id: int) -> None:
 
 def build(cfg: TrainConfig, defer_init: bool = False) -> Run:
     """``defer_init``: a checkpoint is expected to be loaded, so a model that allows it is left uninitialised
-    (job.deferred_init; not sharded), and ``Run.initialise`` gives it its weights if none is."""
+    (job.deferred_init), and ``Run.initialise`` gives it its weights if none is."""
     run = _assemble(cfg, defer_init)
     if run is None:  # the first assembly is gone (a reference cycle freed too) before the second allocates
         gc.collect()
@@ -120,7 +120,7 @@ def _assemble(cfg: TrainConfig, defer_init: bool) -> Run | None:
     factory, name = model_factory(cfg.model), f"--model {cfg.model!r}"
     # Every rank defers, or none: a first start's initialisation ends in a broadcast all ranks join, and
     # only the ranks with a --remote (or with checkpoints on their node's disk) expect a checkpoint.
-    (defer,) = distributed.agree(defer_init and not cfg.sharded)
+    (defer,) = distributed.agree(defer_init)
     model, deferred = deferred_init.construct(factory, device, defer, name)
     module = model  # what DistributedDataParallel wraps below: the weights a first start gives (Run.initialise)
     rng_kept = deferred_init.rng_kept() if deferred else None

@@ -9,8 +9,10 @@ run's device. When no checkpoint is loaded after all (a first start), ``initiali
 as a normal start does, from the same seed, and copies its weights in: the result, and the random
 number generators' state after it, are those of a start that never deferred. Under torchrun every rank
 defers or none (job.build), and those weights are then broadcast from rank 0, as DistributedDataParallel
-did when it wrapped the model on a normal start. Not ``--sharded``: FSDP2 shards the model as it is
-built, and a first start would need each shard initialised as a whole model's part.
+did when it wrapped the model on a normal start. With ``--sharded`` (FSDP2) the uninitialised model is
+sharded as a normal one is, and ``initialise`` gives each rank's shards its slice of the model that rank
+builds (seeded by its rank), as sharding that model does on a normal start: no collective, the same
+weights.
 
 Only a model whose state_dict holds everything it computes with can be left uninitialised: a
 non-persistent buffer (a rotary cache) or a plain tensor attribute would keep garbage after the load.
@@ -31,6 +33,7 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parameter import UninitializedTensorMixin
 
 from job import distributed
@@ -95,13 +98,20 @@ def initialise(model: nn.Module, factory: Callable[[], nn.Module], seed: Callabl
     if differs:
         raise ConfigError(f"{name} built two different models (they differ in {', '.join(sorted(differs)[:5])}): "
                           f"a factory that sets {OPT_IN} must build the same model each time")
+    sharded = any(isinstance(t, DTensor) for t in mine.values())
     with torch.no_grad():
         for key, target in mine.items():
-            target.data = theirs[key].detach().to(target.device)
+            if isinstance(target, DTensor):  # FSDP2's shard (a view of its storage): this rank's slice of its own
+                # model, as fully_shard cut it; src_data_rank=None: from this rank's tensor, no collective
+                target.to_local().copy_(distribute_tensor(theirs[key].detach(), target.device_mesh, target.placements,
+                                                          src_data_rank=None).to_local())
+            else:
+                target.data = theirs[key].detach().to(target.device)
     _flatten_rnns(model)
-    # Under DistributedDataParallel every rank built its own weights (seeded by its rank); the wrap, which
-    # made them rank 0's on a normal start, happened while they were uninitialised.
-    distributed.broadcast_tensors(list(mine.values()))
+    if not sharded:
+        # Under DistributedDataParallel every rank built its own weights (seeded by its rank); the wrap, which
+        # made them rank 0's on a normal start, happened while they were uninitialised.
+        distributed.broadcast_tensors(list(mine.values()))
 
 
 def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -276,7 +276,7 @@ def test_a_build_that_starts_over_lets_go_of_the_deferred_model_first(tiny_confi
     assert alive_at_second_data_build == [True, False]
 
 
-# -- two ranks (DistributedDataParallel under torchrun, CPU, gloo) ------------------------------------------
+# -- two ranks (DistributedDataParallel, or FSDP2 with --sharded, under torchrun, CPU, gloo) ---------------
 
 DDP_ARGS = ["--max-duration", "12ba", "--save-interval", "4ba", "--eval-interval", "6ba", "--batch-size", "32",
             "--seed", "5", "--log-format", "json"]
@@ -298,12 +298,17 @@ def _built_deferred(events: list[dict]) -> list[bool]:
     return [e["deferred_init"] for e in events if e.get("event") == "built"]
 
 
+SHARDING = pytest.mark.parametrize("mode", [[], ["--sharded"]], ids=["ddp", "sharded"])
+
+
 @pytest.mark.slow
-def test_two_ranks_that_find_no_checkpoint_start_as_a_normal_start(tmp_path):
-    """Each rank initialises its own weights (seeded by its rank) after DistributedDataParallel has wrapped
-    the uninitialised model: without rank 0's weights broadcast then, the ranks train different models."""
-    normal = _two_ranks(tmp_path / "normal", "--resume", "never")
-    deferred = _two_ranks(tmp_path / "deferred", "--remote", f"file://{tmp_path / 'bucket'}")
+@SHARDING
+def test_two_ranks_that_find_no_checkpoint_start_as_a_normal_start(tmp_path, mode):
+    """Each rank initialises its own weights (seeded by its rank) after the uninitialised model was wrapped.
+    DistributedDataParallel: without rank 0's weights broadcast then, the ranks train different models.
+    FSDP2: each rank's shards must get the slice of its own model that sharding it gives on a normal start."""
+    normal = _two_ranks(tmp_path / "normal", "--resume", "never", *mode)
+    deferred = _two_ranks(tmp_path / "deferred", "--remote", f"file://{tmp_path / 'bucket'}", *mode)
     assert _built_deferred(normal) == [False] and _built_deferred(deferred) == [True]
     assert inspect(tmp_path / "deferred")["model_sha256"] == inspect(tmp_path / "normal")["model_sha256"]
 
@@ -320,13 +325,14 @@ def test_two_ranks_build_again_together_when_one_draws_from_the_generators(tmp_p
 
 
 @pytest.mark.slow
-def test_two_ranks_resume_without_the_random_initialisation_and_equal_an_uninterrupted_run(tmp_path):
+@SHARDING
+def test_two_ranks_resume_without_the_random_initialisation_and_equal_an_uninterrupted_run(tmp_path, mode):
     straight = tmp_path / "straight"
-    _two_ranks(straight, "--resume", "never")
+    _two_ranks(straight, "--resume", "never", *mode)
     resumed = tmp_path / "resumed"
     resumed.mkdir()
     shutil.copytree(straight / checkpoint_name(4), resumed / checkpoint_name(4))  # as if stopped at step 4
-    events = _two_ranks(resumed)
+    events = _two_ranks(resumed, *mode)
     assert _built_deferred(events) == [True]
     assert [e["step"] for e in events if e.get("event") == "resumed"] == [4]
     assert inspect(resumed)["model_sha256"] == inspect(straight)["model_sha256"]
