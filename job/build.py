@@ -118,8 +118,9 @@ def _assemble(cfg: TrainConfig, defer_init: bool) -> Run | None:
     seed()
     device = torch.device(cfg.device)
     factory, name = model_factory(cfg.model), f"--model {cfg.model!r}"
-    # Every rank defers, or none: a first start's initialisation ends in a broadcast all ranks join, and
-    # only the ranks with a --remote (or with checkpoints on their node's disk) expect a checkpoint.
+    # Every rank defers, or none: under DistributedDataParallel a first start's initialisation ends in a
+    # broadcast all ranks join (a sharded one's has no collective), and only the ranks with a --remote (or
+    # with checkpoints on their node's disk) expect a checkpoint.
     (defer,) = distributed.agree(defer_init)
     model, deferred = deferred_init.construct(factory, device, defer, name)
     module = model  # what DistributedDataParallel wraps below: the weights a first start gives (Run.initialise)
