@@ -99,6 +99,19 @@ def test_resume_never_refuses_a_folder_that_holds_another_run(tiny_config, tmp_p
     assert checkpoints_of(folder) == before
 
 
+def _resume_views(folder, view: str, out) -> tuple[list[dict], str]:
+    """tests.support.resume_views on two ranks: what each rank resumed (or the error it raised), and stderr."""
+    out.mkdir()
+    proc = JobProcess([*TORCHRUN, "--nproc-per-node", "2", "-m", "tests.support.resume_views", str(folder), view,
+                       str(out)], env=job_env())
+    try:
+        code = proc.wait(240)
+    finally:
+        proc.kill()
+    assert code == 0, proc.stderr[-3000:]
+    return [json.loads(p.read_text()) for p in sorted(out.glob("rank-*.json"))], proc.stderr
+
+
 @pytest.mark.slow
 def test_ranks_that_do_not_see_rank_0s_file_are_sent_the_state(tiny_config, tmp_path):
     """On one node every rank maps the state.pt rank 0 chose (job.resume); a rank that sees another file
@@ -106,21 +119,25 @@ def test_ranks_that_do_not_see_rank_0s_file_are_sent_the_state(tiny_config, tmp_
     folder = tmp_path / "ckpts"
     train_state(tiny_config(max_duration="4ba"), ckpt_config(folder, interval="2ba", async_save=False))
 
-    def two_ranks(view: str) -> tuple[list[dict], str]:
-        out = tmp_path / view
-        out.mkdir()
-        proc = JobProcess([*TORCHRUN, "--nproc-per-node", "2", "-m", "tests.support.resume_views", str(folder), view,
-                           str(out)], env=job_env())
-        try:
-            code = proc.wait(240)
-        finally:
-            proc.kill()
-        assert code == 0, proc.stderr[-3000:]
-        return [json.loads(p.read_text()) for p in sorted(out.glob("rank-*.json"))], proc.stderr
-
-    mapped, quiet = two_ranks("same")
-    sent, warned = two_ranks("other")
+    mapped, quiet = _resume_views(folder, "same", tmp_path / "same")
+    sent, warned = _resume_views(folder, "other", tmp_path / "other")
     assert [r["rank"] for r in mapped] == [r["rank"] for r in sent] == [0, 1]
     assert {r["step"] for r in mapped + sent} == {4}
     assert len({r["model"] for r in mapped + sent}) == 1
     assert "rank 0 sends it" in warned and "rank 0 sends it" not in quiet
+
+
+@pytest.mark.slow
+def test_a_rank_that_cannot_read_the_mapped_file_refuses_it_for_every_rank(tiny_config, tmp_path):
+    """Rank 1 alone fails to read the state.pt both ranks map: neither trains on alone, neither waits for the
+    other (the read is inside resume's agreement on errors), both raise, and the checkpoints stay."""
+    folder = tmp_path / "ckpts"
+    train_state(tiny_config(max_duration="4ba"), ckpt_config(folder, interval="2ba", async_save=False))
+    before = checkpoints_of(folder)
+
+    ranks, _ = _resume_views(folder, "unreadable", tmp_path / "unreadable")
+
+    assert [r["rank"] for r in ranks] == [0, 1] and all(r["step"] is None for r in ranks)
+    assert "rank 1 cannot read" in ranks[1]["error"]
+    assert "rank 1 cannot read" in ranks[0]["error"] and "(seen by another rank)" in ranks[0]["error"]
+    assert checkpoints_of(folder) == before
