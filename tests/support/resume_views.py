@@ -37,12 +37,11 @@ def main(folder: str, view: str, out: str) -> None:
     try:
         resumed = resume_module.resume(run.state, ckpt, Checkpointer(ckpt.folder, ckpt.keep, meta), meta, None)
     except CheckpointLoadError as e:
-        failed = {"rank": distributed.rank(), "step": None, "error": str(e)}
-        (Path(out) / f"rank-{distributed.rank()}.json").write_text(json.dumps(failed))
-        return
-    weights = b"".join(t.detach().contiguous().numpy().tobytes() for t in run.state.model.state_dict().values())
-    found = {"rank": distributed.rank(), "step": run.state.timer.batch.value if resumed else None,
-             "model": hashlib.sha256(weights).hexdigest()}
+        found = {"rank": distributed.rank(), "step": None, "error": str(e)}
+    else:
+        weights = b"".join(t.detach().contiguous().numpy().tobytes() for t in run.state.model.state_dict().values())
+        found = {"rank": distributed.rank(), "step": run.state.timer.batch.value if resumed else None,
+                 "model": hashlib.sha256(weights).hexdigest()}
     (Path(out) / f"rank-{distributed.rank()}.json").write_text(json.dumps(found))
 
 
