@@ -13,12 +13,17 @@ from typing import Any
 
 import torch
 from torchmetrics import Metric, MetricCollection
+from torchmetrics.utilities.data import dim_zero_max, dim_zero_mean, dim_zero_min, dim_zero_sum
 
 from state.exceptions import StateError
 
 logger = logging.getLogger(__name__)
 
 MetricsLike = Metric | MetricCollection | Mapping[str, Metric] | None
+
+# States torchmetrics reduces across ranks element by element (``torch.stack`` of every rank's value, then
+# sum, mean, max or min): accumulators whose shape and dtype are fixed when the metric is made.
+_ELEMENTWISE = (dim_zero_sum, dim_zero_mean, dim_zero_max, dim_zero_min)
 
 
 def as_metric_dict(metrics: MetricsLike) -> dict[str, Metric]:
@@ -98,8 +103,13 @@ def load_metric_state(metric: Metric | MetricCollection, state: Mapping[str, Any
         default = metric._defaults[name]
         value = saved_states[name]
         if isinstance(default, torch.Tensor) and isinstance(value, torch.Tensor):
+            if metric._reductions[name] in _ELEMENTWISE:
+                _require_like(value, default, f"{label} state {name!r}")
             restored[name] = value.detach().clone().to(metric.device)
         elif isinstance(default, list) and isinstance(value, (list, tuple)):
+            odd = next((item for item in value if not isinstance(item, torch.Tensor)), None)
+            if odd is not None:
+                raise StateError(f"{label} state {name!r} holds a {type(odd).__name__} among its tensors")
             restored[name] = [item.detach().clone().to(metric.device) for item in value]
         else:
             raise StateError(
@@ -111,6 +121,22 @@ def load_metric_state(metric: Metric | MetricCollection, state: Mapping[str, Any
     metric._update_count = update_count
     metric._computed = None  # a cached compute() of the pre-restore state must not be returned
     metric._forward_cache = None
+
+
+def _require_like(value: torch.Tensor, default: torch.Tensor, what: str) -> None:
+    """An accumulator of another shape or dtype was not written by this metric as it is configured
+    (another ``num_classes``, thresholds, ``set_dtype``) or is damaged. Taken as it was, it trained on:
+    an in-place ``+=`` broadcasts a (1,)-shaped update into a (7,)-shaped state, and the metric then
+    reported a number, or a vector, computed from nonsense; or the first update failed mid-run."""
+    if value.shape != default.shape or value.dtype != default.dtype:
+        raise StateError(
+            f"{what} is {_describe_tensor(value)} but the metric keeps {_describe_tensor(default)} "
+            "(written for another configuration of the metric)"
+        )
+
+
+def _describe_tensor(tensor: torch.Tensor) -> str:
+    return f"{tuple(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')}"
 
 
 def _require(state: Mapping[str, Any], key: str, label: str) -> Any:

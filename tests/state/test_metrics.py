@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import pytest
@@ -99,24 +100,36 @@ def test_restored_update_count_is_the_original() -> None:
     assert restored.update_count == 4
 
 
+def _set_state(name: str, value: object) -> Callable[[dict], object]:
+    return lambda state: state["states"].update({name: value})
+
+
 @pytest.mark.parametrize(
-    ("corrupt", "message"),
+    ("make", "corrupt", "message"),
     [
-        (lambda state: state["states"].pop("weight"), "the checkpoint was written for a different metric"),
-        (lambda state: state.pop("update_count"), "no 'update_count'"),
-        (lambda state: state.update(update_count=-1), "invalid update_count"),
-        (lambda state: state["states"].update(weight=[torch.tensor(1.0)]), "'weight' is a list"),
+        (MeanMetric, lambda state: state["states"].pop("weight"), "the checkpoint was written for a different metric"),
+        (MeanMetric, lambda state: state.pop("update_count"), "no 'update_count'"),
+        (MeanMetric, lambda state: state.update(update_count=-1), "invalid update_count"),
+        (MeanMetric, _set_state("weight", [torch.tensor(1.0)]), "'weight' is a list"),
+        # Accumulators torchmetrics reduces element by element keep the shape and dtype they were made with.
+        (MeanMetric, _set_state("weight", torch.zeros(3)), re.escape("'weight' is (3,) float32 but the metric keeps ()")),
+        (MeanMetric, _set_state("weight", torch.tensor(2.0, dtype=torch.float64)), "'weight' is \\(\\) float64"),
+        (lambda: MulticlassAccuracy(num_classes=NUM_CLASSES, average="macro"),
+         _set_state("tp", torch.zeros(NUM_CLASSES + 3, dtype=torch.long)),
+         re.escape("MulticlassAccuracy state 'tp' is (7,) int64 but the metric keeps (4,) int64 (written for another")),
+        (CatMetric, _set_state("value", [torch.tensor(1.0), "x"]), "'value' holds a str among its tensors"),
     ],
-    ids=["missing-state", "missing-count", "negative-count", "wrong-kind"],
+    ids=["missing-state", "missing-count", "negative-count", "wrong-kind", "wrong-shape", "wrong-dtype",
+         "another-num-classes", "a-list-of-not-tensors"],
 )
 def test_load_refuses_a_mismatched_snapshot_and_leaves_the_metric_alone(
-    corrupt: Callable[[dict], object], message: str
+    make: Callable[[], Metric], corrupt: Callable[[dict], object], message: str
 ) -> None:
-    source = MeanMetric()
+    source = make()
     _update(source, _batches(2))
     state = metric_state(source)
     corrupt(state)
-    target = MeanMetric()
+    target = make()
     _update(target, _batches(1, offset=5))
     before = metric_state(target)
     with pytest.raises(StateError, match=message):
