@@ -112,7 +112,8 @@ def _set_state(name: str, value: object) -> Callable[[dict], object]:
         (MeanMetric, lambda state: state.update(update_count=-1), "invalid update_count"),
         (MeanMetric, _set_state("weight", [torch.tensor(1.0)]), "'weight' is a list"),
         # Accumulators torchmetrics reduces element by element keep the shape and dtype they were made with.
-        (MeanMetric, _set_state("weight", torch.zeros(3)), re.escape("'weight' is (3,) float32 but the metric keeps ()")),
+        (MeanMetric, _set_state("weight", torch.zeros(3)),
+         re.escape("'weight' is (3,) float32 but the metric keeps ()")),
         (MeanMetric, _set_state("weight", torch.tensor(2.0, dtype=torch.float64)), "'weight' is \\(\\) float64"),
         (lambda: MulticlassAccuracy(num_classes=NUM_CLASSES, average="macro"),
          _set_state("tp", torch.zeros(NUM_CLASSES + 3, dtype=torch.long)),
