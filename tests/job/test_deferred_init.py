@@ -286,10 +286,7 @@ def _two_ranks(folder, *extra: str, timeout: float = 300) -> list[dict]:
     """`job train` with the built-in MLP (it opts in) on two ranks, to the end; its events."""
     proc = JobProcess([*TORCHRUN, "--nproc-per-node", "2", "-m", "job", "train", *DDP_ARGS, "--save-folder",
                        str(folder), *extra], env=job_env())
-    try:
-        code = proc.wait(timeout)
-    finally:
-        proc.kill()
+    code = proc.wait(timeout)
     assert code == 0, proc.stderr[-3000:]
     return proc.events
 

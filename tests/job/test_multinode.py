@@ -98,10 +98,7 @@ def test_two_nodes_without_a_shared_volume_checkpoint_through_the_bucket_and_res
     # New disks, one node of 3 ranks: it resumes from the bucket (resharded when sharded) and finishes.
     fresh = tmp_path / "fresh"
     again = node(0, 1, f"127.0.0.1:{free_port()}", uuid.uuid4().hex[:8], fresh, remote, env, mode, per_node=3)
-    try:
-        assert again.wait(300) == 0, again.stderr[-3000:]
-    finally:
-        again.kill()
+    assert again.wait(300) == 0, again.stderr[-3000:]
     resumed = [e for e in events(again.stderr) if e.get("event") == "resumed"]
     assert resumed and resumed[0]["step"] == stop_step and resumed[0]["source"].startswith(remote)
     assert (resumed[0]["world_size_was"], resumed[0]["world_size"]) == (2, 3)
@@ -138,10 +135,7 @@ def test_a_node_killed_while_it_uploads_never_leaves_that_step_complete(
 
     again = node(0, 1, f"127.0.0.1:{free_port()}", uuid.uuid4().hex[:8], tmp_path / "fresh", remote, env,
                  ["--sharded"], per_node=2)
-    try:
-        assert again.wait(300) == 0, again.stderr[-3000:]
-    finally:
-        again.kill()
+    assert again.wait(300) == 0, again.stderr[-3000:]
     resumed = [e for e in events(again.stderr) if e.get("event") == "resumed"]
     assert [e["step"] for e in resumed] == [10]
 

@@ -104,10 +104,7 @@ def _resume_views(folder, view: str, out) -> tuple[list[dict], str]:
     out.mkdir()
     proc = JobProcess([*TORCHRUN, "--nproc-per-node", "2", "-m", "tests.support.resume_views", str(folder), view,
                        str(out)], env=job_env())
-    try:
-        code = proc.wait(240)
-    finally:
-        proc.kill()
+    code = proc.wait(240)
     assert code == 0, proc.stderr[-3000:]
     return [json.loads(p.read_text()) for p in sorted(out.glob("rank-*.json"))], proc.stderr
 

@@ -65,10 +65,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
     """The weights of every checkpoint of the run when each save is synchronous, by step."""
     folder = tmp_path_factory.mktemp("sync") / "ck"
     proc = job(folder, "--sync-save")
-    try:
-        assert proc.wait(300) == 0, proc.stderr[-3000:]
-    finally:
-        proc.kill()
+    assert proc.wait(300) == 0, proc.stderr[-3000:]
     assert [c.step for c in list_committed(folder)] == [10, 20, 30, 40]
     return {step: model_sha256(folder, step) for step in (10, 40)}
 
@@ -76,12 +73,10 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
 def test_the_loop_trains_on_while_a_sharded_checkpoint_is_written_and_it_holds_its_steps_state(
         tmp_path: Path, reference: dict[int, str]) -> None:
     proc, gate, folder = held_at_10(tmp_path, trained_to=16)
-    try:
+    with proc:
         assert list_committed(folder) == []
         (gate / "open").write_text("")
         code = proc.wait(240)
-    finally:
-        proc.kill()
     assert code == 0, proc.stderr[-3000:]
     steps = [c.step for c in list_committed(folder)]
     assert steps[0] == 10 and steps[-1] == 40, steps
@@ -93,10 +88,7 @@ def test_a_failed_background_write_is_one_error_on_every_rank_and_the_previous_c
         tmp_path: Path) -> None:
     folder = tmp_path / "ck"
     proc = job(folder, gate=tmp_path, mode="fail:2:1")  # rank 1's second write finds the disk full
-    try:
-        code = proc.wait(240)
-    finally:
-        proc.kill()
+    code = proc.wait(240)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("job: error:")]
     assert code != 0 and len(errors) == 2, proc.stderr[-3000:]
     assert errors[0] == errors[1]
@@ -111,12 +103,10 @@ def test_a_failed_background_write_is_one_error_on_every_rank_and_the_previous_c
 def test_a_sigterm_during_a_held_sharded_write_ends_on_the_stop_step_and_resumes_bit_exact(
         tmp_path: Path, reference: dict[int, str]) -> None:
     proc, gate, folder = held_at_10(tmp_path, trained_to=14)
-    try:
+    with proc:
         proc.signal(signal.SIGTERM)  # torchrun passes it on to both ranks; the write of step 10 is still held
         (gate / "open").write_text("")
         proc.wait(240)
-    finally:
-        proc.kill()
     stopped = proc.wait_event("preempted")
     stop = stopped["step"]
     assert stopped["checkpoint_step"] == stop and 10 < stop < 40, stopped
@@ -125,10 +115,7 @@ def test_a_sigterm_during_a_held_sharded_write_ends_on_the_stop_step_and_resumes
     assert model_sha256(folder, 10) == reference[10]
 
     restarted = job(folder)
-    try:
-        assert restarted.wait(300) == 0, restarted.stderr[-3000:]
-    finally:
-        restarted.kill()
+    assert restarted.wait(300) == 0, restarted.stderr[-3000:]
     assert restarted.wait_event("resumed")["step"] == stop
     assert model_sha256(folder, 40) == reference[40]
 
@@ -138,10 +125,7 @@ def test_a_poll_after_each_step_commits_each_checkpoint_with_its_steps_state_in_
     """The loop's side of the API (job.app calls poll after every step), driven by tests.support.sharded_async_steps."""
     proc = JobProcess([*TORCHRUN, "--nproc-per-node", "2", "-m", "tests.support.sharded_async_steps", str(tmp_path)],
                       env=job_env())
-    try:
-        assert proc.wait(240) == 0, proc.stderr[-3000:]
-    finally:
-        proc.kill()
+    assert proc.wait(240) == 0, proc.stderr[-3000:]
     (report,) = [e for e in events(proc.stderr) if e.get("event") == "async_steps"]
     assert report["buffers_reused"] and report["in_flight_after_save"] == [True, True]
     assert [c.step for c in list_committed(tmp_path / "ck")] == [2, 4]

@@ -31,10 +31,7 @@ def uninterrupted(tmp_path_factory):
     # and its workers (in sessions of their own) are killed with the launcher instead of outliving it.
     folder = tmp_path_factory.mktemp("straight2")
     proc = JobProcess(torchrun() + ["--save-folder", str(folder)], env=job_env())
-    try:
-        code = proc.wait(300)
-    finally:
-        proc.kill()
+    code = proc.wait(300)
     assert code == 0, proc.stderr[-3000:]
     return inspect(folder)
 

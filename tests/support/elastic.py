@@ -26,13 +26,11 @@ def run(ranks: int, folder: Path, record: Path, *extra: str, stop_after: int | N
     record.mkdir(exist_ok=True)
     proc = JobProcess([*TORCHRUN, "--nproc-per-node", str(ranks), "-m", "job", "train", *ARGS, "--save-folder",
                        str(folder), *extra], env=job_env(RECORD_DIR=str(record)))
-    try:
+    with proc:
         if stop_after is not None:
             proc.wait_event("progress", lambda e: e["step"] >= stop_after, timeout=120)
             proc.signal(signal.SIGTERM)  # torchrun passes it on to every worker
         proc.wait(240)
-    finally:
-        proc.kill()
     return proc
 
 

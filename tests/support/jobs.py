@@ -170,11 +170,21 @@ class JobProcess:
         assert os.getpgid(self.proc.pid) == self.proc.pid, "start it with new_session=True"
         os.killpg(self.proc.pid, sig)
 
+    def __enter__(self) -> JobProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Whatever the test did with it, nothing it started outlives the block."""
+        self.kill()
+
     def wait(self, timeout: float = 60.0) -> int:
+        """The exit code. One still running after ``timeout`` prints its stacks, is killed with all it
+        started, and fails the test with its log."""
         try:
             code = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.dump_stacks()
+            self.kill()
             raise AssertionError(f"still running after {timeout} s; log tail:\n" + self.stderr[-8000:]) from None
         self._close()
         return code
