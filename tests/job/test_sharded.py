@@ -38,10 +38,7 @@ def twins(ranks: int, *args: str) -> JobProcess:
     """tests.support.sharded_twins on ``ranks`` processes, to the end."""
     proc = JobProcess([*TORCHRUN, "--nproc-per-node", str(ranks), "-m", "tests.support.sharded_twins", *args],
                       env=job_env(), cwd=REPO)
-    try:
-        proc.wait(240)
-    finally:
-        proc.kill()
+    proc.wait(240)
     return proc
 
 
