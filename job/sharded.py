@@ -62,13 +62,41 @@ def rank_file(rank: int, world: int) -> str:
 
 
 def shard_model(model: torch.nn.Module, device: torch.device, world: int) -> DeviceMesh:
-    """FSDP2: shard each top-level child that has parameters, then the root (one all-gather per child)."""
+    """FSDP2: shard each top-level child that has parameters, then the root (one all-gather per child).
+
+    Children that share a parameter (tied weights: a token embedding and the output layer) are sharded
+    together, as one group: FSDP2 gives each group its own sharded copy of a parameter, and refused the
+    tied model at its first forward ("shared with a parameter already managed by another FSDP group").
+    A child sharing one with the root's own parameters is left to the root's group."""
     mesh = init_device_mesh(device.type, (world,))
-    for child in model.children():
-        if any(True for _ in child.parameters()):
-            fully_shard(child, mesh=mesh)
+    for group in tied_groups(model):
+        fully_shard(group if len(group) > 1 else group[0], mesh=mesh)
     fully_shard(model, mesh=mesh)
     return mesh
+
+
+def tied_groups(model: torch.nn.Module) -> list[list[torch.nn.Module]]:
+    """The top-level children with parameters, in order, those that share one in the same group."""
+    children = [child for child in model.children() if any(True for _ in child.parameters())]
+    group = list(range(len(children)))  # union-find over the children, by parameter identity
+
+    def root(i: int) -> int:
+        while group[i] != i:
+            i = group[i]
+        return i
+
+    owner: dict[int, int] = {}
+    for i, child in enumerate(children):
+        for param in child.parameters():
+            j = owner.setdefault(id(param), i)
+            group[root(i)] = root(j)
+    own = {id(p) for p in model.parameters(recurse=False)}
+    with_root = {root(i) for i, child in enumerate(children) if any(id(p) in own for p in child.parameters())}
+    groups: dict[int, list[torch.nn.Module]] = {}
+    for i, child in enumerate(children):
+        if root(i) not in with_root:
+            groups.setdefault(root(i), []).append(child)
+    return list(groups.values())
 
 
 def _optimizers(state: State) -> dict[str, torch.optim.Optimizer]:

@@ -21,7 +21,7 @@ from job import dcp_storage
 from job.checkpoint import describe, load_state_file, open_checkpoint
 from job.restore import restore
 from job.exceptions import CheckpointLoadError
-from job.sharded import by_id
+from job.sharded import by_id, tied_groups
 from tests.job.test_checkpoint import _Exploit
 from tests.support.checkpoints import zip_crc32s
 from tests.support.jobs import REPO, JobProcess, events, inspect, job_env, run_job, train_config
@@ -295,3 +295,35 @@ def test_unsharded_1_then_sharded_2_ranks_end_close(tmp_path: Path, uninterrupte
     assert inspect(folder)["meta"]["sharded"] is True
     assert sorted(trained(record)) == list(range(DATASET))
     assert_close(final_model(folder), uninterrupted["single"])
+
+
+# -- tied weights ------------------------------------------------------------------------------------
+
+TIED = ["--model", "tests.support.tied_model:build", "--sharded", "--batch-size", "48", "--grad-accum", "2"]
+
+
+def test_children_that_share_a_parameter_are_sharded_as_one_group() -> None:
+    """FSDP2 refused a tied model at its first forward when each child was a group of its own."""
+    model = torch.nn.Module()
+    model.a, model.b, model.c, model.d, model.e = (torch.nn.Linear(2, 2) for _ in range(5))
+    model.empty = torch.nn.ReLU()
+    model.b.weight = model.a.weight
+    model.own = torch.nn.Parameter(torch.zeros(2, 2))
+    model.e.weight = model.own  # shared with the root: sharded with the root's own parameters
+    assert tied_groups(model) == [[model.a, model.b], [model.c], [model.d]]
+
+
+def test_a_tied_model_trains_sharded_resumes_on_3_ranks_and_keeps_its_tie(tmp_path: Path) -> None:
+    straight = run(2, tmp_path / "straight", tmp_path / "record-straight", *TIED)
+    assert straight.proc.returncode == 0, straight.stderr[-3000:]
+    folder, record = tmp_path / "ck", tmp_path / "record"
+    first = run(2, folder, record, *TIED, stop_after=6)
+    assert preempted(first), first.stderr[-3000:]
+    second = run(3, folder, record, *TIED)
+    assert second.proc.returncode == 0, second.stderr[-3000:]
+
+    assert resumed(second) == [(2, 3)]
+    assert sorted(trained(record)) == list(range(DATASET))
+    weights = final_model(folder)
+    assert torch.equal(weights["first.weight"], weights["second.weight"])  # one weight, trained as one
+    assert_close(weights, final_model(tmp_path / "straight"))
