@@ -323,6 +323,7 @@ def test_a_tied_model_trains_sharded_resumes_on_3_ranks_and_keeps_its_tie(tmp_pa
     assert second.proc.returncode == 0, second.stderr[-3000:]
 
     assert resumed(second) == [(2, 3)]
+    assert [e["deferred_init"] for e in events(second.stderr) if e.get("event") == "built"] == [True]
     assert sorted(trained(record)) == list(range(DATASET))
     weights = final_model(folder)
     assert torch.equal(weights["first.weight"], weights["second.weight"])  # one weight, trained as one

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from job.deferred_init import skip_init_on_resume
 from tests.support.recording_model import RecordingMLP
 
 WIDTH = 16
@@ -29,5 +30,6 @@ class Tied(RecordingMLP):
         return super().forward((torch.tanh(self.second(hidden)), *batch[1:]))
 
 
+@skip_init_on_resume  # a resume builds it uninitialised, ties kept (job.deferred_init), then shards it
 def build() -> nn.Module:
     return Tied()
