@@ -234,7 +234,9 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
             check_new_run(ckpt_cfg, store)
         if store is not None:  # while the pull runs: read-only credentials fail before the model is built
             store.check_writable()
-        run = build(cfg, defer_init=expects_checkpoint(ckpt_cfg, store))
+        # Uninitialised where a checkpoint will overwrite the weights, and always when sharded: then no device
+        # ever holds the whole model, a first start's included (Run.initialise gives each rank its slices).
+        run = build(cfg, defer_init=cfg.sharded or expects_checkpoint(ckpt_cfg, store))
         event(logger, "built", model=cfg.model, deferred_init=run.pending_init is not None)
         state = run.state
         if cfg.max_duration.unit == TimeUnit.TOKEN and not hasattr(unwrap(state.model), "num_tokens"):

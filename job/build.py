@@ -98,7 +98,8 @@ def leave_stop_signals_to_the_job(worker_id: int) -> None:
 
 def build(cfg: TrainConfig, defer_init: bool = False) -> Run:
     """``defer_init``: a checkpoint is expected to be loaded, so a model that allows it is left uninitialised
-    (job.deferred_init), and ``Run.initialise`` gives it its weights if none is."""
+    (job.deferred_init), and ``Run.initialise`` gives it its weights if none is. A deferred ``--sharded``
+    model is sharded on the meta device and only each rank's shards are allocated: no device holds it whole."""
     run = _assemble(cfg, defer_init)
     if run is None:  # the first assembly is gone (a reference cycle freed too) before the second allocates
         gc.collect()
@@ -122,7 +123,7 @@ def _assemble(cfg: TrainConfig, defer_init: bool) -> Run | None:
     # broadcast all ranks join (a sharded one's has no collective), and only the ranks with a --remote (or
     # with checkpoints on their node's disk) expect a checkpoint.
     (defer,) = distributed.agree(defer_init)
-    model, deferred = deferred_init.construct(factory, device, defer, name)
+    model, deferred = deferred_init.construct(factory, device, defer, name, sharded=cfg.sharded)
     module = model  # what DistributedDataParallel wraps below: the weights a first start gives (Run.initialise)
     rng_kept = deferred_init.rng_kept() if deferred else None
     if not isinstance(model, torch.nn.Module) or not callable(getattr(model, "loss", None)):
@@ -154,6 +155,8 @@ def _assemble(cfg: TrainConfig, defer_init: bool) -> Run | None:
     mesh = None
     if cfg.sharded:
         mesh = shard_model(model, device, world)
+        if deferred:  # sharded on the meta device: only this rank's shards are allocated
+            deferred_init.allocate_shards(model, device)
         distributed.keep_until_exit(mesh)
     elif world > 1:
         model = DistributedDataParallel(model, device_ids=[torch.cuda.current_device()] if device.type == "cuda" else None)

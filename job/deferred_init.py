@@ -9,10 +9,11 @@ run's device. When no checkpoint is loaded after all (a first start), ``initiali
 as a normal start does, from the same seed, and copies its weights in: the result, and the random
 number generators' state after it, are those of a start that never deferred. Under torchrun every rank
 defers or none (job.build), and those weights are then broadcast from rank 0, as DistributedDataParallel
-did when it wrapped the model on a normal start. With ``--sharded`` (FSDP2) the uninitialised model is
-sharded as a normal one is, and ``initialise`` gives each rank's shards its slice of the model that rank
-builds (seeded by its rank), as sharding that model does on a normal start: no collective, the same
-weights.
+did when it wrapped the model on a normal start. With ``--sharded`` (FSDP2) the model stays on the meta
+device, FSDP2 shards it there, and ``allocate_shards`` allocates only this rank's shards: no device ever
+holds the whole model, so job.app defers every sharded start, a first one too. ``initialise`` then gives
+each rank's shards its slice of the model that rank builds on the CPU (seeded by its rank), as sharding
+that model does on a normal start: no collective, the same weights.
 
 Only a model whose state_dict holds everything it computes with can be left uninitialised: a
 non-persistent buffer (a rotary cache) or a plain tensor attribute would keep garbage after the load.
@@ -54,9 +55,10 @@ def skip_init_on_resume(factory: Factory) -> Factory:
 
 
 def construct(factory: Callable[[], nn.Module], device: torch.device, defer: bool,
-              name: str = "--model") -> tuple[nn.Module, bool]:
+              name: str = "--model", sharded: bool = False) -> tuple[nn.Module, bool]:
     """The model on ``device``, and whether its initialisation was deferred (then its values are garbage
-    until a checkpoint is loaded into it, or ``initialise`` runs)."""
+    until a checkpoint is loaded into it, or ``initialise`` runs). ``sharded``: a deferred model stays on
+    the meta device, for FSDP2 to shard there and ``allocate_shards`` to allocate."""
     if defer and getattr(factory, OPT_IN, False) is True:
         seeded = capture_rng()  # the meta attempt's python and numpy draws are undone for the normal build
         try:
@@ -68,7 +70,8 @@ def construct(factory: Callable[[], nn.Module], device: torch.device, defer: boo
         else:
             problem = _incomplete(shell) if isinstance(shell, nn.Module) else "is not a torch.nn.Module"
             if problem is None:
-                _materialise(shell, device)
+                if not sharded:
+                    _materialise(shell, device)
                 return shell, True
             logger.warning("%s opts in to %s but its model %s: built with its random initialisation",
                            name, OPT_IN, problem)
@@ -185,6 +188,15 @@ def _materialise(model: nn.Module, device: torch.device) -> None:
         for name, tensor in [*module.named_parameters(recurse=False, remove_duplicate=False),
                              *module.named_buffers(recurse=False, remove_duplicate=False)]:
             setattr(module, name, empty(tensor))
+    _flatten_rnns(model)
+
+
+def allocate_shards(model: nn.Module, device: torch.device) -> None:
+    """Allocate a model that FSDP2 sharded on the meta device: each parameter's shard of this rank, and
+    the buffers, uninitialised on ``device``. FSDP2's own way (``to_empty`` after ``fully_shard``, as
+    torchtitan builds): the whole model is never on the device, only this rank's part of it. Parameters
+    that one FSDP group shares stay one (job.sharded.tied_groups)."""
+    model.to_empty(device=device)
     _flatten_rnns(model)
 
 

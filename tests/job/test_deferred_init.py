@@ -1,6 +1,7 @@
 """A start that expects a checkpoint builds the model without its random initialisation (job.deferred_init)."""
 from __future__ import annotations
 
+import json
 import logging
 import random
 import shutil
@@ -16,6 +17,7 @@ from torch.utils.data import TensorDataset
 
 from job import deferred_init
 from job.build import build
+from job.builtin import MLP
 from job.storage import RemoteConfig
 from state import seed_all
 from tests.support.elastic import TORCHRUN
@@ -298,14 +300,21 @@ def _built_deferred(events: list[dict]) -> list[bool]:
 SHARDING = pytest.mark.parametrize("mode", [[], ["--sharded"]], ids=["ddp", "sharded"])
 
 
+def plain_mlp() -> nn.Module:
+    """The built-in MLP from a factory that does not opt in: always built with its random initialisation."""
+    return MLP()
+
+
 @pytest.mark.slow
 @SHARDING
 def test_two_ranks_that_find_no_checkpoint_start_as_a_normal_start(tmp_path, mode):
     """Each rank initialises its own weights (seeded by its rank) after the uninitialised model was wrapped.
     DistributedDataParallel: without rank 0's weights broadcast then, the ranks train different models.
-    FSDP2: each rank's shards must get the slice of its own model that sharding it gives on a normal start."""
-    normal = _two_ranks(tmp_path / "normal", "--resume", "never", *mode)
-    deferred = _two_ranks(tmp_path / "deferred", "--remote", f"file://{tmp_path / 'bucket'}", *mode)
+    FSDP2: each rank's shards must get the slice of its own model that sharding it gives on a normal start;
+    a sharded model that opts in is deferred on every start, with or without a checkpoint to expect."""
+    normal = _two_ranks(tmp_path / "normal", "--resume", "never", "--model", f"{__name__}:plain_mlp", *mode)
+    expects = ["--resume", "never"] if mode else ["--remote", f"file://{tmp_path / 'bucket'}"]
+    deferred = _two_ranks(tmp_path / "deferred", *expects, *mode)
     assert _built_deferred(normal) == [False] and _built_deferred(deferred) == [True]
     assert inspect(tmp_path / "deferred")["model_sha256"] == inspect(tmp_path / "normal")["model_sha256"]
 
@@ -333,3 +342,22 @@ def test_two_ranks_resume_without_the_random_initialisation_and_equal_an_uninter
     assert _built_deferred(events) == [True]
     assert [e["step"] for e in events if e.get("event") == "resumed"] == [4]
     assert inspect(resumed)["model_sha256"] == inspect(straight)["model_sha256"]
+
+
+@pytest.mark.slow
+def test_a_sharded_build_never_allocates_a_whole_parameter_on_the_device(tmp_path):
+    """Sharded on the meta device, then only each rank's shards allocated (job.deferred_init.allocate_shards):
+    a model that does not fit one device can be built. The control, a factory that does not opt in, is built
+    whole on each rank first, and the same measurement sees it."""
+    found = {}
+    for model in ("wide", "wide_plain"):
+        out = tmp_path / model
+        out.mkdir()
+        proc = JobProcess([*TORCHRUN, "--nproc-per-node", "2", "-m", "tests.support.sharded_allocations", model,
+                           str(out)], env=job_env())
+        assert proc.wait(120) == 0, proc.stderr[-3000:]
+        found[model] = [json.loads(p.read_text()) for p in sorted(out.glob("rank-*.json"))]
+    for rank in found["wide"]:
+        assert rank["deferred"] and rank["largest"] == rank["parameter"] // 2  # its shard: two ranks
+    assert all(not rank["deferred"] and rank["largest"] == rank["parameter"] for rank in found["wide_plain"])
+
