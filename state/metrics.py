@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 MetricsLike = Metric | MetricCollection | Mapping[str, Metric] | None
 
 # States torchmetrics reduces across ranks element by element (``torch.stack`` of every rank's value, then
-# sum, mean, max or min): accumulators whose shape and dtype are fixed when the metric is made.
+# sum, mean, max or min): accumulators that start as the metric's default and grow from it by arithmetic.
 _ELEMENTWISE = (dim_zero_sum, dim_zero_mean, dim_zero_max, dim_zero_min)
 
 
@@ -104,7 +104,7 @@ def load_metric_state(metric: Metric | MetricCollection, state: Mapping[str, Any
         value = saved_states[name]
         if isinstance(default, torch.Tensor) and isinstance(value, torch.Tensor):
             if metric._reductions[name] in _ELEMENTWISE:
-                _require_like(value, default, f"{label} state {name!r}")
+                _require_grown_from(value, default, f"{label} state {name!r}")
             restored[name] = value.detach().clone().to(metric.device)
         elif isinstance(default, list) and isinstance(value, (list, tuple)):
             odd = next((item for item in value if not isinstance(item, torch.Tensor)), None)
@@ -123,12 +123,18 @@ def load_metric_state(metric: Metric | MetricCollection, state: Mapping[str, Any
     metric._forward_cache = None
 
 
-def _require_like(value: torch.Tensor, default: torch.Tensor, what: str) -> None:
-    """An accumulator of another shape or dtype was not written by this metric as it is configured
-    (another ``num_classes``, thresholds, ``set_dtype``) or is damaged. Taken as it was, it trained on:
-    an in-place ``+=`` broadcasts a (1,)-shaped update into a (7,)-shaped state, and the metric then
-    reported a number, or a vector, computed from nonsense; or the first update failed mid-run."""
-    if value.shape != default.shape or value.dtype != default.dtype:
+def _require_grown_from(value: torch.Tensor, default: torch.Tensor, what: str) -> None:
+    """An accumulator must be one its default could have become. Updates may broadcast it to a larger
+    shape (R2Score's sums of 2-D predictions) and promote its dtype (float64 inputs; merge_state's means
+    of an integer state), so the saved one may differ from the default as far as that; a shape the
+    default does not broadcast to (a metric with another ``num_classes``), no elements, or a dtype the
+    default does not cast to (bool for int64) was written for another metric or is damaged. Taken as it was, it trained on: the next updates failed
+    mid-run, or the metric reported numbers computed from nonsense."""
+    try:
+        grown = torch.broadcast_shapes(default.shape, value.shape) == value.shape and value.numel() >= default.numel()
+    except RuntimeError:
+        grown = False
+    if not grown or not torch.can_cast(default.dtype, value.dtype):
         raise StateError(
             f"{what} is {_describe_tensor(value)} but the metric keeps {_describe_tensor(default)} "
             "(written for another configuration of the metric)"

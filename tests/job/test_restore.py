@@ -94,9 +94,9 @@ DAMAGED_STATES = {
     "base learning rates of ['x']": (_set("schedulers.CosineAnnealingLR.base_lrs", ["x"]), "base_lrs is ['x']"),
     "schedulers as a list": (_set("schedulers", [1]), "damaged"),
     "train metrics that are a number": (_set("train_metrics", 5), "damaged"),
-    "a train metric accumulator of another shape": (
-        _set("train_metrics.accuracy.states.tp", torch.zeros(7, dtype=torch.long)),
-        "MulticlassAccuracy state 'tp' is (7,) int64 but the metric keeps (1,) int64"),
+    "a train metric accumulator of no elements": (
+        _set("train_metrics.accuracy.states.tp", torch.zeros(0, dtype=torch.long)),
+        "MulticlassAccuracy state 'tp' is (0,) int64 but the metric keeps (1,) int64"),
     "a train metric accumulator of another dtype": (_set("train_metrics.accuracy.states.tp", torch.tensor([True])),
                                                     "MulticlassAccuracy state 'tp' is (1,) bool"),
     "current metrics that are a number": (_set("current_metrics", 5), "current_metrics are not a mapping"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Callable
 
@@ -9,6 +10,8 @@ import pytest
 import torch
 from torchmetrics import CatMetric, MeanMetric, Metric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy, MulticlassPrecision
+from torchmetrics.image import PeakSignalNoiseRatio
+from torchmetrics.regression import KLDivergence, R2Score
 
 from state import StateError
 from state.metrics import as_metric_dict, load_metric_state, metric_state
@@ -111,17 +114,19 @@ def _set_state(name: str, value: object) -> Callable[[dict], object]:
         (MeanMetric, lambda state: state.pop("update_count"), "no 'update_count'"),
         (MeanMetric, lambda state: state.update(update_count=-1), "invalid update_count"),
         (MeanMetric, _set_state("weight", [torch.tensor(1.0)]), "'weight' is a list"),
-        # Accumulators torchmetrics reduces element by element keep the shape and dtype they were made with.
-        (MeanMetric, _set_state("weight", torch.zeros(3)),
-         re.escape("'weight' is (3,) float32 but the metric keeps ()")),
-        (MeanMetric, _set_state("weight", torch.tensor(2.0, dtype=torch.float64)), "'weight' is \\(\\) float64"),
+        # Accumulators torchmetrics reduces element by element only grow from their default: by broadcasting,
+        # by promotion (test_accumulators_that_updates_grew_from_their_default_restore_bit_exact).
+        (MeanMetric, _set_state("weight", torch.tensor(2, dtype=torch.int64)),
+         re.escape("'weight' is () int64 but the metric keeps () float32")),
         (lambda: MulticlassAccuracy(num_classes=NUM_CLASSES, average="macro"),
          _set_state("tp", torch.zeros(NUM_CLASSES + 3, dtype=torch.long)),
          re.escape("MulticlassAccuracy state 'tp' is (7,) int64 but the metric keeps (4,) int64 (written for another")),
+        (lambda: MulticlassAccuracy(NUM_CLASSES, average="micro"), _set_state("tp", torch.zeros(0, dtype=torch.long)),
+         re.escape("'tp' is (0,) int64 but the metric keeps (1,) int64")),
         (CatMetric, _set_state("value", [torch.tensor(1.0), "x"]), "'value' holds a str among its tensors"),
     ],
-    ids=["missing-state", "missing-count", "negative-count", "wrong-kind", "wrong-shape", "wrong-dtype",
-         "another-num-classes", "a-list-of-not-tensors"],
+    ids=["missing-state", "missing-count", "negative-count", "wrong-kind", "a-dtype-it-does-not-cast-to",
+         "another-num-classes", "no-elements", "a-list-of-not-tensors"],
 )
 def test_load_refuses_a_mismatched_snapshot_and_leaves_the_metric_alone(
     make: Callable[[], Metric], corrupt: Callable[[dict], object], message: str
@@ -136,6 +141,40 @@ def test_load_refuses_a_mismatched_snapshot_and_leaves_the_metric_alone(
     with pytest.raises(StateError, match=message):
         load_metric_state(target, state)
     assert_nested_equal(metric_state(target), before)
+
+
+def _merged_psnr() -> Metric:
+    """An integer data_range (int64) that merge_state averaged: float32 (as job.elastic merges ranks' metrics)."""
+    metric = PeakSignalNoiseRatio(data_range=(0, 255))
+    metric.update(torch.rand(2, 3, 4, 4) * 255, torch.rand(2, 3, 4, 4) * 255)
+    metric.merge_state(copy.deepcopy(metric))
+    assert metric.data_range.dtype == torch.float32
+    return metric
+
+
+GROWN: dict[str, tuple[Callable[[], Metric], Callable[[Metric], object]]] = {
+    "R2Score of 2-D predictions: () to (3,)": (
+        lambda: R2Score(multioutput="raw_values"), lambda m: m.update(torch.rand(8, 3), torch.rand(8, 3))),
+    "KLDivergence of float64: float32 to float64": (
+        KLDivergence, lambda m: m.update(torch.rand(4, 5).double().softmax(-1), torch.rand(4, 5).double().softmax(-1))),
+    "merged PSNR: int64 to float32": (lambda: PeakSignalNoiseRatio(data_range=(0, 255)), None),
+}
+
+
+@pytest.mark.parametrize("name", GROWN)
+def test_accumulators_that_updates_grew_from_their_default_restore_bit_exact(name: str) -> None:
+    """Out-of-place updates (``self.x = self.x + ...``) broadcast and promote: a checkpoint of these, written
+    by the same program, was refused as another metric's for a while."""
+    make, update = GROWN[name]
+    if update is None:
+        original = _merged_psnr()
+    else:
+        original = make()
+        update(original)
+    restored = make()
+    load_metric_state(restored, save_and_load(metric_state(original)))
+    assert_nested_equal(restored.compute(), original.compute())
+    assert_nested_equal(metric_state(restored), metric_state(original))
 
 
 def test_as_metric_dict_normalizes_every_accepted_form() -> None:
