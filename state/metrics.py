@@ -128,8 +128,8 @@ def _require_grown_from(value: torch.Tensor, default: torch.Tensor, what: str) -
     shape (R2Score's sums of 2-D predictions) and promote its dtype (float64 inputs; merge_state's means
     of an integer state), so the saved one may differ from the default as far as that; a shape the
     default does not broadcast to (a metric with another ``num_classes``), no elements, or a dtype the
-    default does not cast to (bool for int64) was written for another metric or is damaged. Taken as it was, it trained on: the next updates failed
-    mid-run, or the metric reported numbers computed from nonsense."""
+    default does not cast to (bool for int64) was written for another metric or is damaged. Taken as it
+    was, it trained on: the next updates failed mid-run, or the metric reported numbers from nonsense."""
     try:
         grown = torch.broadcast_shapes(default.shape, value.shape) == value.shape and value.numel() >= default.numel()
     except RuntimeError:
