@@ -183,8 +183,10 @@ class JobProcess:
         try:
             code = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            self.dump_stacks()
-            self.kill()
+            try:
+                self.dump_stacks()
+            finally:
+                self.kill()
             raise AssertionError(f"still running after {timeout} s; log tail:\n" + self.stderr[-8000:]) from None
         self._close()
         return code
@@ -197,7 +199,10 @@ class JobProcess:
             except OSError:
                 continue
             if _runs_job(argv):
-                os.kill(pid, signal.SIGUSR1)
+                try:
+                    os.kill(pid, signal.SIGUSR1)
+                except ProcessLookupError:  # exited since its cmdline was read
+                    continue
         time.sleep(2)
 
     def kill(self) -> None:
