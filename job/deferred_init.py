@@ -34,7 +34,8 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.nn.parameter import UninitializedTensorMixin
 
 from job import distributed
@@ -105,9 +106,8 @@ def initialise(model: nn.Module, factory: Callable[[], nn.Module], seed: Callabl
     with torch.no_grad():
         for key, target in mine.items():
             if isinstance(target, DTensor):  # FSDP2's shard (a view of its storage): this rank's slice of its own
-                # model, as fully_shard cut it; src_data_rank=None: from this rank's tensor, no collective
-                target.to_local().copy_(distribute_tensor(theirs[key].detach(), target.device_mesh, target.placements,
-                                                          src_data_rank=None).to_local())
+                # model, as fully_shard cut it, from this rank's tensor, no collective
+                target.to_local().copy_(_my_slice(theirs[key].detach(), target))
             else:
                 target.data = theirs[key].detach().to(target.device)
     _flatten_rnns(model)
@@ -115,6 +115,16 @@ def initialise(model: nn.Module, factory: Callable[[], nn.Module], seed: Callabl
         # Under DistributedDataParallel every rank built its own weights (seeded by its rank); the wrap, which
         # made them rank 0's on a normal start, happened while they were uninitialised.
         distributed.broadcast_tensors(list(mine.values()))
+
+
+def _my_slice(whole: torch.Tensor, target: DTensor) -> torch.Tensor:
+    """This rank's part of ``whole`` (on the CPU) as ``target`` places it, cut on the CPU: only the part
+    goes to the device (distribute_tensor would move the whole tensor there first). Placements other than
+    Shard and Replicate (strided shards of FSDP over tensor parallelism) go through distribute_tensor."""
+    if all(type(p) in (Shard, Replicate) for p in target.placements):
+        shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+        return whole[tuple(slice(start, start + size) for start, size in zip(offset, shape, strict=True))]
+    return distribute_tensor(whole, target.device_mesh, target.placements, src_data_rank=None).to_local()
 
 
 def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:

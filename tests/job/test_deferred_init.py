@@ -360,4 +360,3 @@ def test_a_sharded_build_never_allocates_a_whole_parameter_on_the_device(tmp_pat
     for rank in found["wide"]:
         assert rank["deferred"] and rank["largest"] == rank["parameter"] // 2  # its shard: two ranks
     assert all(not rank["deferred"] and rank["largest"] == rank["parameter"] for rank in found["wide_plain"])
-
