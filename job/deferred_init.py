@@ -103,8 +103,11 @@ def initialise(model: nn.Module, factory: Callable[[], nn.Module], seed: Callabl
         raise ConfigError(f"{name} built two different models (they differ in {', '.join(sorted(differs)[:5])}): "
                           f"a factory that sets {OPT_IN} must build the same model each time")
     sharded = any(isinstance(t, DTensor) for t in mine.values())
+    once: dict[int, tuple[str, torch.Tensor]] = {}  # a tied tensor once, under its first name
+    for key, target in mine.items():
+        once.setdefault(id(target), (key, target))
     with torch.no_grad():
-        for key, target in mine.items():
+        for key, target in once.values():
             if isinstance(target, DTensor):  # FSDP2's shard (a view of its storage): this rank's slice of its own
                 # model, as fully_shard cut it, from this rank's tensor, no collective
                 target.to_local().copy_(_my_slice(theirs[key].detach(), target))
@@ -114,7 +117,7 @@ def initialise(model: nn.Module, factory: Callable[[], nn.Module], seed: Callabl
     if not sharded:
         # Under DistributedDataParallel every rank built its own weights (seeded by its rank); the wrap, which
         # made them rank 0's on a normal start, happened while they were uninitialised.
-        distributed.broadcast_tensors(list(mine.values()))
+        distributed.broadcast_tensors([target for _, target in once.values()])
 
 
 def _my_slice(whole: torch.Tensor, target: DTensor) -> torch.Tensor:

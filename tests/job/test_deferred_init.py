@@ -257,6 +257,26 @@ def test_initialise_fills_the_models_own_tensors_whatever_its_state_dict_returns
         assert value.dtype == torch.float32 and torch.equal(value, expected[name]), name
 
 
+def test_initialise_writes_a_tied_weight_once_and_keeps_it_tied(monkeypatch):
+    seed_all(5)
+    expected = _TiedPair().state_dict()
+    model, _ = deferred_init.construct(_TiedPair, CPU, defer=True)
+    written: list[int] = []
+    fresh_weights = torch.Tensor.detach
+
+    def detach(tensor: torch.Tensor) -> torch.Tensor:  # initialise detaches each of the fresh model's tensors it copies
+        written.append(id(tensor))
+        return fresh_weights(tensor)
+
+    monkeypatch.setattr(torch.Tensor, "detach", detach)
+    deferred_init.initialise(model, _TiedPair, lambda: seed_all(5))
+    monkeypatch.undo()
+    assert model.head.weight is model.embed.weight
+    assert len(written) == len(set(written)) == 4  # embed.weight (head.weight the same), two biases, scale
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, expected[name]), name
+
+
 def test_a_build_that_starts_over_lets_go_of_the_deferred_model_first(tiny_config, monkeypatch):
     shells: list[weakref.ref] = []
     alive_at_second_data_build: list[bool] = []
