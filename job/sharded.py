@@ -90,8 +90,7 @@ def tied_groups(model: torch.nn.Module) -> list[list[torch.nn.Module]]:
         for param in child.parameters():
             j = owner.setdefault(id(param), i)
             group[root(i)] = root(j)
-    own = {id(p) for p in model.parameters(recurse=False)}
-    with_root = {root(i) for i, child in enumerate(children) if any(id(p) in own for p in child.parameters())}
+    with_root = {root(owner[id(p)]) for p in model.parameters(recurse=False) if id(p) in owner}
     groups: dict[int, list[torch.nn.Module]] = {}
     for i, child in enumerate(children):
         if root(i) not in with_root:
