@@ -24,10 +24,16 @@ def gone(pid: int) -> bool:
         return True
 
 
-def test_a_wait_that_times_out_kills_the_whole_tree_and_fails_with_the_log() -> None:
+def hanging() -> tuple[JobProcess, int]:
+    """The launcher above, started, and its worker's pid."""
     proc = JobProcess([sys.executable, "-c", HANGS])
     wait_until(lambda: descendants(proc.proc.pid), timeout=30, interval=0.05, what="the worker started")
     (worker,) = descendants(proc.proc.pid)
+    return proc, worker
+
+
+def test_a_wait_that_times_out_kills_the_whole_tree_and_fails_with_the_log() -> None:
+    proc, worker = hanging()
     with pytest.raises(AssertionError, match="still running after 0.5 s"):
         proc.wait(0.5)
     assert proc.proc.poll() is not None
@@ -35,9 +41,8 @@ def test_a_wait_that_times_out_kills_the_whole_tree_and_fails_with_the_log() -> 
 
 
 def test_leaving_its_block_kills_it_whatever_the_test_did() -> None:
-    with pytest.raises(RuntimeError, match="the test failed"), JobProcess([sys.executable, "-c", HANGS]) as proc:
-        wait_until(lambda: descendants(proc.proc.pid), timeout=30, interval=0.05, what="the worker started")
-        (worker,) = descendants(proc.proc.pid)
+    proc, worker = hanging()
+    with pytest.raises(RuntimeError, match="the test failed"), proc:
         raise RuntimeError("the test failed")
     assert proc.proc.poll() is not None
     wait_until(lambda: gone(worker), timeout=10, interval=0.05, what="the worker killed")
