@@ -82,9 +82,10 @@ def resumed_plan(meta: dict[str, Any], cfg: TrainConfig, world: int, source: str
     flags = replace(fresh_plan(cfg, world), source=source)
     old_world = _ranks_that_wrote(meta, flags.checkpoint)
     try:
-        global_batch = int(meta.get("global_batch", int(meta["batch_size"]) * old_world))
-        micro = int(meta.get("micro_batch", int(meta["batch_size"]) // int(meta["grad_accum"])))
-    except (KeyError, TypeError, ValueError):
+        global_batch = int(meta["global_batch"] if "global_batch" in meta else int(meta["batch_size"]) * old_world)
+        micro = int(meta["micro_batch"] if "micro_batch" in meta
+                    else int(meta["batch_size"]) // int(meta["grad_accum"]))
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
         return replace(flags, written_on=old_world)  # a checkpoint without these settings: the flags decide
     if global_batch < 1 or micro < 1:
         return replace(flags, written_on=old_world)

@@ -38,7 +38,11 @@ def restore(state: State, tree: Mapping[Any, Any], source: str, step: int, timer
     if missing:
         raise CheckpointLoadError(f"checkpoint {source} has no {', '.join(missing)}: it is damaged or was not "
                                   f"written by spot-trainer; {ADVICE}")
+    absent = _optimizers_absent(state, tree["optimizers"])
+    if absent:  # State only warns: the run would go on with the moments of a first step, not a resume
+        raise CheckpointLoadError(f"checkpoint {source} is damaged: its optimizers hold no {absent} state; {ADVICE}")
     before = _settings(state)
+    stepping = _stepping_flags(state)
     try:
         state.load_state_dict(tree, strict=True)
         if then is not None:
@@ -47,8 +51,9 @@ def restore(state: State, tree: Mapping[Any, Any], source: str, step: int, timer
         raise CheckpointLoadError(
             f"checkpoint {source} does not fit this model/optimizer or is damaged ({_what_differs(e)}); "
             f"resume it with the --model it was written with, or {ADVICE}") from None
+    _keep_stepping_flags(state, stepping)
     problem = (_timer_problem(state, step, timer) or _optimizer_problem(state) or _settings_problem(state, before)
-               or _scaler_problem(state) or _plain_problem(state))
+               or _range_problem(state) or _scaler_problem(state) or _plain_problem(state))
     if problem is not None:
         raise CheckpointLoadError(f"checkpoint {source} is damaged: {problem}; {ADVICE}")
     if _scale_backed_off_to_zero(state):
@@ -57,6 +62,14 @@ def restore(state: State, tree: Mapping[Any, Any], source: str, step: int, timer
             "as it does when step after step overflows (a run that diverged), and from 0 every step overflows "
             "again; move it and any newer checkpoints out of --save-folder and --remote, and resume an earlier "
             "one with a lower --lr (with the same flags the same steps overflow again)")
+
+
+def _optimizers_absent(state: State, saved: Any) -> str | None:
+    """The first of this run's optimizers that the checkpoint's optimizers entry (keyed by type, as State
+    writes it) lacks; None when all are there, or when the entry is no mapping (State refuses that)."""
+    if not isinstance(saved, Mapping):
+        return None
+    return next((type(opt).__qualname__ for opt in state.optimizers if type(opt).__qualname__ not in saved), None)
 
 
 def _what_differs(error: Exception) -> str:
@@ -101,24 +114,71 @@ def _optimizer_problem(state: State) -> str | None:
     """Per-parameter state (AdamW's moments) must have its parameter's shape, or be one number (``step``):
     torch's load_state_dict casts dtypes but takes any shape, and the first step would fail on it."""
     for opt in state.optimizers:
+        params = {id(param) for group in opt.param_groups for param in group["params"]}
+        if any(not isinstance(key, torch.Tensor) or id(key) not in params for key in opt.state):
+            # torch maps the state to parameters by the ids its param_groups list, and keeps what it cannot
+            # map under the id: that parameter would start its moments afresh, the resume silently not one.
+            return "its optimizer holds state for a parameter id that its param_groups do not list"
         for group in opt.param_groups:
-            for param in group["params"]:
-                per_param = opt.state.get(param, {})
-                if not isinstance(per_param, Mapping):
-                    return f"an optimizer state of a parameter is a {type(per_param).__name__}, not a mapping"
-                for name, value in per_param.items():
-                    if isinstance(value, torch.Tensor):
-                        if value.dim() > 0 and value.shape != param.shape:
-                            return (f"optimizer state {name!r} has shape {tuple(value.shape)} for a parameter of "
-                                    f"shape {tuple(param.shape)}")
-                    elif not _is_number(value):
-                        return f"optimizer state {name!r} is a {type(value).__name__}, not a tensor"
+            # torch fills in the settings it added over its versions (Adam's __setstate__); any other setting
+            # missing failed with a KeyError at the first step.
+            missing = [key for key in opt.defaults if key not in group]
+            if missing:
+                return f"its {type(opt).__name__} param group has no {', '.join(map(repr, missing))}"
+            problem = _group_state_problem(opt, group["params"])
+            if problem is not None:
+                return problem
     return None
+
+
+def _group_state_problem(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> str | None:
+    """One param group's per-parameter state. The same entries for every parameter that has any (a parameter
+    without gradients yet has none): AdamW failed with a KeyError at the first step without one. An entry
+    that is a tensor of its parameter's shape for one parameter is one for all: one number instead of a
+    parameter's moments failed there too (the entries kept as one number, ``step``, differ by optimizer)."""
+    names: set[frozenset[Any]] = set()
+    shaped: set[Any] = set()
+    single: set[Any] = set()
+    for param in params:
+        per_param = opt.state.get(param, {})
+        if not isinstance(per_param, Mapping):
+            return f"an optimizer state of a parameter is a {type(per_param).__name__}, not a mapping"
+        if per_param:
+            names.add(frozenset(per_param))
+        for name, value in per_param.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
+                return (f"optimizer state {name!r} has shape {tuple(value.shape)} for a parameter of "
+                        f"shape {tuple(param.shape)}")
+            if isinstance(value, torch.Tensor) and value.dtype == torch.bool:
+                return f"optimizer state {name!r} is a bool tensor"
+            if isinstance(value, torch.Tensor) and (value.dim() > 0 or param.dim() == 0):
+                shaped.add(name)
+                continue
+            if not _is_number(value):
+                return f"optimizer state {name!r} is a {type(value).__name__}, not a tensor"
+            # torch steps from here: a step count of nan (or inf) trained NaN weights, -1 divided by zero.
+            if not _finite(value) or (name == "step" and float(value) < 0):
+                return f"optimizer state {name!r} is {clip(repr(_plain(value)), 40)}, not a finite count"
+            single.add(name)
+    if len(names) > 1:
+        first, *others = sorted(names, key=len)
+        return (f"its optimizer keeps {', '.join(sorted(map(repr, first)))} for one parameter and "
+                f"{', '.join(sorted(map(repr, others[-1])))} for another of the same group")
+    both = shaped & single
+    if both:
+        return (f"optimizer state {sorted(map(repr, both))[0]} is one number for some parameters and a tensor of "
+                "the parameter's shape for others")
+    return None
+
+
+def _plain(value: Any) -> Any:
+    return value.item() if isinstance(value, torch.Tensor) else value
 
 
 # GradScaler's own invariants: what its constructor asserts and its update keeps (a growth tracker counts
 # the steps since the last change of scale, up to growth_interval; both are int32 in the update's kernel).
 INT32_MAX = 2 ** 31 - 1
+INT64_LIMIT = 2 ** 63
 SCALER_LIMITS: dict[str, tuple[type, Callable[[Any], bool], str]] = {
     "scale": (float, lambda v: math.isfinite(v) and v >= 0, "a finite number, 0 or above"),
     "growth_factor": (float, lambda v: math.isfinite(v) and v > 1, "a finite number above 1"),
@@ -168,32 +228,81 @@ def _scaler_number(value: Any, kind: type, holds: Callable[[Any], bool]) -> bool
         return False
 
 
-def _settings(state: State) -> dict[str, Any]:
+# How this machine steps, not what a step computes: a checkpoint written by a run on a GPU with capturable or
+# fused steps (capturable failed an assertion on the CPU) resumes with this run's own.
+STEPPING_FLAGS = ("foreach", "fused", "capturable", "differentiable")
+
+
+def _stepping_flags(state: State) -> list[list[dict[str, Any]]]:
+    return [[{key: group[key] for key in STEPPING_FLAGS if key in group} for group in opt.param_groups]
+            for opt in state.optimizers]
+
+
+def _keep_stepping_flags(state: State, flags: list[list[dict[str, Any]]]) -> None:
+    """Put back this run's flags after torch's load_state_dict replaced the param groups with the checkpoint's
+    (the same number of groups: torch checks). A checkpoint of this run's code holds the same ones."""
+    for opt, groups in zip(state.optimizers, flags, strict=True):
+        for group, own in zip(opt.param_groups, groups, strict=True):
+            group.update(own)
+
+
+def _settings(state: State) -> dict[str, tuple[bool, Any]]:
     """The optimizers' param-group settings and the schedulers' state (lr, betas, last_epoch, base_lrs...),
-    by a name that says where each is. Read again after loading: torch replaces the param groups."""
-    found: dict[str, Any] = {}
+    by a name that says where each is, with whether it is an optimizer's. Read again after loading: torch
+    replaces the param groups."""
+    found: dict[str, tuple[bool, Any]] = {}
     for i, opt in enumerate(state.optimizers):
         for g, group in enumerate(opt.param_groups):
-            found.update({f"{type(opt).__name__} {i} group {g} {key}": value for key, value in group.items()
+            found.update({f"{type(opt).__name__} {i} group {g} {key}": (True, value) for key, value in group.items()
                           if key != "params"})
     for i, scheduler in enumerate(state.schedulers):
-        found.update({f"{type(scheduler).__name__} {i} {key}": value for key, value in vars(scheduler).items()
+        found.update({f"{type(scheduler).__name__} {i} {key}": (False, value) for key, value in vars(scheduler).items()
                       if key != "optimizer"})
     return found
 
 
-def _settings_problem(state: State, before: dict[str, Any]) -> str | None:
+def _settings_problem(state: State, before: dict[str, tuple[bool, Any]]) -> str | None:
     """Each setting that was a finite number (or a sequence of them) must still be one, of as many: a
     learning rate of "fast" failed inside AdamW at the first step, a string last_epoch in the schedule, and
     one of nan trained NaNs until --keep pruned the good checkpoints. A setting the checkpoint does not
-    have is no damage (``initial_lr`` of a run that had no schedule then: job.build.refit_schedule)."""
+    have is no damage (``initial_lr`` of a run that had no schedule then: job.build.refit_schedule).
+
+    An optimizer's switches (amsgrad, maximize: True or False, None for some) are this run's code's, and a
+    checkpoint of it holds the same: another value is another optimizer (amsgrad failed at the first step
+    for want of its moments; maximize climbed the loss). A scheduler's switches change as it steps
+    (``_is_initial``), so they only have to stay switches."""
     after = _settings(state)
-    for name, old in before.items():
+    for name, (optimizer, old) in before.items():
         if name not in after:
             continue
-        new = after[name]
-        if _numeric(old) and not (_numeric(new) and _length(new) == _length(old)):
-            return f"{name} is {clip(repr(new), 60)}, not a number like {clip(repr(old), 60)}"
+        new = after[name][1]
+        if _numeric(old):
+            if not (_numeric(new) and _length(new) == _length(old)):
+                return f"{name} is {clip(repr(new), 60)}, not a number like {clip(repr(old), 60)}"
+        elif isinstance(old, (bool, str)) or old is None:
+            if optimizer and not (type(new) is type(old) and new == old):
+                return f"{name} is {clip(repr(new), 60)}, this run's optimizer has {clip(repr(old), 60)}"
+            if not optimizer and old is not None and type(new) is not type(old):
+                return f"{name} is {clip(repr(new), 60)}, not a {type(old).__name__} like {clip(repr(old), 60)}"
+    return None
+
+
+# What torch's Adam and AdamW constructors refuse ("Invalid learning rate"...) and load_state_dict takes: a
+# negative learning rate climbs the loss, a beta of 1 or more never forgets its first gradients.
+NOT_NEGATIVE = ("lr", "eps", "weight_decay")
+
+
+def _range_problem(state: State) -> str | None:
+    """Run after _settings_problem, so each of these that this run's optimizer has is a finite number."""
+    for i, opt in enumerate(state.optimizers):
+        for g, group in enumerate(opt.param_groups):
+            where = f"{type(opt).__name__} {i} group {g}"
+            for key in NOT_NEGATIVE:
+                if _finite(group.get(key)) and float(group[key]) < 0:
+                    return f"{where} {key} is {_plain(group[key])}, below 0"
+            betas = group.get("betas")
+            if _numeric(betas) and isinstance(betas, (list, tuple)) and not all(0 <= float(b) < 1 for b in betas):
+                return f"{where} betas are {clip(repr(betas), 60)}, not each from 0 up to 1 (not 1 itself)"
     return None
 
 
@@ -203,14 +312,17 @@ def _length(value: Any) -> int | None:
 
 
 def _is_number(value: Any) -> bool:
-    """One real number: an int or float (not a bool), or a tensor of one real element."""
+    """One real number: an int or float (not a bool), or a tensor of one real element (not a bool either)."""
     if isinstance(value, torch.Tensor):
-        return value.numel() == 1 and not value.is_complex()
+        return value.numel() == 1 and not value.is_complex() and value.dtype != torch.bool
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _finite(value: Any) -> bool:
-    return _is_number(value) and (isinstance(value, int) or math.isfinite(float(value)))
+    """A number torch can take: an eps of 2**70 failed the first step ("int too big to convert")."""
+    if isinstance(value, int):
+        return not isinstance(value, bool) and -INT64_LIMIT <= value < INT64_LIMIT
+    return _is_number(value) and math.isfinite(float(value))
 
 
 def _numeric(value: Any) -> bool:

@@ -98,6 +98,10 @@ def _restore_cuda(saved: list[torch.Tensor] | None) -> None:
                 stacklevel=3,
             )
         return
+    if not isinstance(saved, (list, tuple)) or not all(
+            isinstance(one, torch.Tensor) and one.dtype == torch.uint8 for one in saved):
+        # Checked on every machine: one without the devices would otherwise take any value and only warn.
+        raise StateError("rng state's cuda entry is not a list of CUDA generator states (uint8 tensors)")
     if len(saved) != available:
         warnings.warn(
             f"the rng checkpoint has CUDA states for {len(saved)} device(s) but {available} are available; "

@@ -163,7 +163,7 @@ class Manifest:
         if not isinstance(doc, dict):
             raise ManifestError("manifest is not a JSON object")
         version = doc.get("format_version")
-        if isinstance(version, bool) or version not in SUPPORTED_FORMAT_VERSIONS:  # JSON true == 1 in Python
+        if type(version) is not int or version not in SUPPORTED_FORMAT_VERSIONS:  # JSON true == 1; [] unhashable
             newer = type(version) is int and version > max(SUPPORTED_FORMAT_VERSIONS)
             raise (UnsupportedFormat if newer else ManifestError)(
                 f"manifest format_version {_short(version)} is not supported (this build reads "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import shutil
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,8 @@ from job.exceptions import CheckpointLoadError, ConfigError
 from job.restore import restore
 from state import State
 from tests.support.checkpoints import checkpoints_of, reseal
-from tests.support.jobs import ckpt_config, run_job, train_config, train_state
+from tests.support.hostile import DELETED, edit
+from tests.support.jobs import assert_states_equal, ckpt_config, run_job, train_config, train_state
 from uploader import local
 
 Edit = Callable[[dict[str, Any]], Any]
@@ -47,26 +49,11 @@ def damaged_copy(good: Path, tmp_path: Path, state: Edit | None = None, manifest
 
 
 def _set(path: str, value: Any) -> Edit:
-    """Set the entry at a dotted path of the state dict ("optimizers.AdamW.param_groups.0.lr")."""
-    *parents, last = path.split(".")
-
-    def edit(tree: dict[str, Any]) -> None:
-        node: Any = tree
-        for key in parents:
-            node = node[_key(node, key)]
-        node[_key(node, last)] = value
-    return edit
+    return edit(path, value)
 
 
-def _key(node: Any, key: str) -> Any:
-    """Lists and torch's optimizer state are indexed by numbers."""
-    return int(key) if isinstance(node, list) or (key.isdigit() and key not in node) else key
-
-
-def _drop(key: str) -> Edit:
-    def edit(tree: dict[str, Any]) -> None:
-        del tree[key]
-    return edit
+def _drop(path: str) -> Edit:
+    return edit(path, DELETED)
 
 
 # Each was exit 0 with a run that started over or trained random weights (and replaced the good
@@ -89,6 +76,41 @@ DAMAGED_STATES = {
     "a learning rate of nan": (_set("optimizers.AdamW.param_groups.0.lr", float("nan")), "AdamW 0 group 0 lr is nan"),
     "a parameter's optimizer state that is a list": (_set("optimizers.AdamW.state.0", []),
                                                      "an optimizer state of a parameter is a list, not a mapping"),
+    # Found by replacing every entry of a good checkpoint in turn: each of these failed at the first step
+    # with a traceback (exit 1), or trained on silently where noted.
+    "no state of this run's optimizer (fresh moments, silently)": (_set("optimizers", {}),
+                                                                   "its optimizers hold no AdamW state"),
+    "a CUDA rng entry of 'x' (only warned without a GPU)": (
+        _set("rng.cuda", "x"), "rng state's cuda entry is not a list of CUDA generator states"),
+    "moments that are one number": (_set("optimizers.AdamW.state.0.exp_avg", 0.5),
+                                    "optimizer state 'exp_avg' is one number for some parameters"),
+    "moments that are a tensor of one number": (_set("optimizers.AdamW.state.1.exp_avg_sq", torch.tensor(5.0)),
+                                                "optimizer state 'exp_avg_sq' is one number for some parameters"),
+    "a parameter without its second moments": (_drop("optimizers.AdamW.state.2.exp_avg_sq"),
+                                               "its optimizer keeps 'exp_avg', 'step' for one parameter and"),
+    "a step count of nan (NaN weights, silently)": (_set("optimizers.AdamW.state.0.step", torch.tensor(float("nan"))),
+                                                    "optimizer state 'step' is nan, not a finite count"),
+    "a step count of -1": (_set("optimizers.AdamW.state.0.step", torch.tensor(-1.0)),
+                           "optimizer state 'step' is -1.0, not a finite count"),
+    "a step count that is a bool": (_set("optimizers.AdamW.state.0.step", torch.tensor(True)),
+                                    "optimizer state 'step' is a bool tensor"),
+    "moments of a parameter no group lists (fresh moments, silently)": (
+        _set("optimizers.AdamW.param_groups.0.params.0", "x"), "holds state for a parameter id that its param_groups"),
+    "amsgrad switched on": (_set("optimizers.AdamW.param_groups.0.amsgrad", True),
+                            "AdamW 0 group 0 amsgrad is True, this run's optimizer has False"),
+    "a maximize of 'x' (climbed the loss, silently)": (
+        _set("optimizers.AdamW.param_groups.0.maximize", "x"),
+        "AdamW 0 group 0 maximize is 'x', this run's optimizer has False"),
+    "no eps": (_drop("optimizers.AdamW.param_groups.0.eps"), "its AdamW param group has no 'eps'"),
+    "an eps of 2**70": (_set("optimizers.AdamW.param_groups.0.eps", 2 ** 70), "AdamW 0 group 0 eps is 118059"),
+    "a learning rate of -1 (climbed the loss, silently)": (_set("optimizers.AdamW.param_groups.0.lr", -1.0),
+                                                          "AdamW 0 group 0 lr is -1.0, below 0"),
+    "a beta of 1.5": (_set("optimizers.AdamW.param_groups.0.betas", (0.9, 1.5)),
+                      "AdamW 0 group 0 betas are (0.9, 1.5), not each from 0 up to 1"),
+    "a scheduler switch that is an empty tensor": (_set("schedulers.CosineAnnealingLR._is_initial", torch.zeros(0)),
+                                                   "CosineAnnealingLR 0 _is_initial is tensor([]), not a bool"),
+    "a schedule position that is a bool tensor": (_set("schedulers.CosineAnnealingLR.last_epoch", torch.tensor(True)),
+                                                  "CosineAnnealingLR 0 last_epoch is tensor(True), not a number"),
     "a schedule position of 'x'": (_set("schedulers.CosineAnnealingLR.last_epoch", "x"),
                                    "CosineAnnealingLR 0 last_epoch is 'x'"),
     "base learning rates of ['x']": (_set("schedulers.CosineAnnealingLR.base_lrs", ["x"]), "base_lrs is ['x']"),
@@ -126,6 +148,21 @@ def test_damaged_content_is_refused_before_training_and_loses_nothing(good: Path
     assert checkpoints_of(folder) == before  # step 2 and the damaged step 4 alike: nothing rewritten
 
 
+def test_a_checkpoint_that_stepped_on_a_gpu_resumes_with_this_runs_way_of_stepping(good: Path, tmp_path: Path) -> None:
+    """capturable, fused and foreach say how a machine steps, not what a step computes: a GPU run's
+    capturable=True failed an assertion at the first step on the CPU. The run keeps its own flags and
+    resumes exactly as from the same checkpoint without them."""
+    def stepped_on_a_gpu(tree: dict[str, Any]) -> None:
+        tree["optimizers"]["AdamW"]["param_groups"][0].update(capturable=True, fused=True, foreach=True)
+
+    flags = train_config(max_duration="6ba"), ckpt_config(tmp_path, interval="2ba", async_save=False)
+    resumed = train_state(flags[0], replace(flags[1], folder=damaged_copy(good, tmp_path / "gpu", stepped_on_a_gpu)))
+    plain = train_state(flags[0], replace(flags[1], folder=damaged_copy(good, tmp_path / "cpu")))
+    assert_states_equal(resumed, plain)
+    group = resumed.optimizers[0].param_groups[0]
+    assert (group["capturable"], group["fused"], group["foreach"]) == (False, None, None)
+
+
 def _past_the_epoch(doc: dict[str, Any]) -> None:
     doc["timer"]["batch_in_epoch"] = 1000
 
@@ -150,6 +187,16 @@ def test_a_damaged_manifest_meta_is_refused_naming_the_checkpoint(good: Path, tm
     with pytest.raises(CheckpointLoadError, match=f"^{re.escape(named)}"):
         train_state(train_config(max_duration="6ba"), ckpt_config(folder, interval="2ba", async_save=False))
     assert checkpoints_of(folder) == before
+
+
+@pytest.mark.parametrize("grad_accum", [0, 0.5, "x"])
+def test_a_micro_batch_on_record_is_planned_from_whatever_grad_accum_says(grad_accum: Any) -> None:
+    """grad_accum only matters to checkpoints without a micro_batch: 0 once divided by zero (exit 1) anyway."""
+    meta = {"global_batch": 64, "micro_batch": 16, "world_size": 1, "batch_size": 64, "grad_accum": grad_accum}
+    plan = elastic.resumed_plan(meta, train_config(), world=2)
+    assert (plan.global_batch, plan.micro_batch, plan.grad_accum) == (64, 16, 2)
+    del meta["micro_batch"]  # nothing to plan from: the flags decide, as for any checkpoint without the settings
+    assert elastic.resumed_plan(meta, train_config(), world=2).global_batch == 128
 
 
 def test_an_odd_global_batch_of_10_to_the_12_is_answered_at_once() -> None:

@@ -112,7 +112,7 @@ def test_a_malformed_block_size_is_refused(bad: Any) -> None:
         Manifest.from_json(doc(2, block_size=bad))
 
 
-@pytest.mark.parametrize("version", [0, 4, "2", None, True, 10 ** 400, "x" * 5000])
+@pytest.mark.parametrize("version", [0, 4, "2", None, True, 10 ** 400, "x" * 5000, [], {}, [3]])
 def test_an_unknown_format_version_asks_for_an_upgrade(version: Any) -> None:
     with pytest.raises(ManifestError, match="not supported.*upgrade spot-trainer") as raised:
         Manifest.from_json(doc(version))  # type: ignore[arg-type]
