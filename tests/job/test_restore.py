@@ -2,8 +2,10 @@
 before training starts, and nothing of the run's good checkpoints is changed (job.restore, job.elastic)."""
 from __future__ import annotations
 
+import json
 import re
 import shutil
+import warnings
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -14,11 +16,11 @@ import torch
 
 from job import elastic
 from job.checkpoint import STATE_FILE, describe, open_checkpoint
-from job.exceptions import CheckpointLoadError, ConfigError
+from job.exceptions import EXIT_BUG, CheckpointLoadError, ConfigError, exit_code_for
 from job.restore import restore
 from state import State
 from tests.support.checkpoints import checkpoints_of, reseal
-from tests.support.hostile import DELETED, edit
+from tests.support.hostile import DELETED, HOSTILE, IN_JSON, edit, entries, first_line
 from tests.support.jobs import assert_states_equal, ckpt_config, run_job, train_config, train_state
 from uploader import local
 
@@ -76,8 +78,8 @@ DAMAGED_STATES = {
     "a learning rate of nan": (_set("optimizers.AdamW.param_groups.0.lr", float("nan")), "AdamW 0 group 0 lr is nan"),
     "a parameter's optimizer state that is a list": (_set("optimizers.AdamW.state.0", []),
                                                      "an optimizer state of a parameter is a list, not a mapping"),
-    # Found by replacing every entry of a good checkpoint in turn: each of these failed at the first step
-    # with a traceback (exit 1), or trained on silently where noted.
+    # Found by replacing every entry of a good checkpoint in turn (test_no_entry_of_a_checkpoint_...): each of
+    # these failed at the first step with a traceback (exit 1), or trained on silently where noted.
     "no state of this run's optimizer (fresh moments, silently)": (_set("optimizers", {}),
                                                                    "its optimizers hold no AdamW state"),
     "a CUDA rng entry of 'x' (only warned without a GPU)": (
@@ -146,6 +148,63 @@ def test_damaged_content_is_refused_before_training_and_loses_nothing(good: Path
         train_state(train_config(max_duration="6ba"), ckpt_config(folder, interval="2ba", async_save=False))
     assert says in str(refused.value)
     assert checkpoints_of(folder) == before  # step 2 and the damaged step 4 alike: nothing rewritten
+
+
+# State's own leniency (Composer's): an entry the checkpoint lacks keeps its value, with this warning.
+LENIENT = re.compile(r"is not in the checkpoint|^the checkpoint has no ")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("value", list(HOSTILE))
+def test_no_entry_of_a_checkpoint_ends_its_resume_in_a_traceback(good: Path, tmp_path: Path, value: str) -> None:
+    """Each entry of a good checkpoint's state in turn set to ``value`` (or deleted), sealed so that it
+    verifies, and resumed for a step: the run trains on, or is refused (exit 6) with its checkpoints as they
+    were. Never another error, which the CLI prints as a traceback (exit 1). Which values are damage is for
+    the table above to say; this finds the entries and values nobody thought of (the table's second part)."""
+    tree = torch.load(good / local.checkpoint_name(4) / STATE_FILE, weights_only=True)
+    failures = []
+    for n, path in enumerate(entries(tree)):
+        folder = damaged_copy(good, tmp_path / str(n), state=edit(path, HOSTILE[value]))
+        before = checkpoints_of(folder)
+        try:
+            with warnings.catch_warnings(record=True) as warned:
+                warnings.simplefilter("always")
+                train_state(train_config(max_duration="5ba"), ckpt_config(folder, interval="2ba", async_save=False))
+            failures += [f"{path}: warned {w.message}" for w in warned if not LENIENT.search(str(w.message))]
+        except CheckpointLoadError:
+            if checkpoints_of(folder) != before:
+                failures.append(f"{path}: refused, but the checkpoints changed")
+        except Exception as e:
+            failures.append(f"{path}: {first_line(e)}")
+        shutil.rmtree(folder)
+    assert n > 40 and not failures, "\n".join(failures)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("value", list(IN_JSON))
+def test_no_entry_of_a_manifest_ends_a_resume_in_a_traceback(good: Path, tmp_path: Path, value: str) -> None:
+    """The same for each entry of the newest checkpoint's manifest (not sealed again: the digests cover the
+    files). The run resumes from it or from the step before (this one set aside as corrupt), or stops with
+    one line and a documented exit code (a newer format_version asks for an upgrade); never with a traceback
+    (a grad_accum of 0 divided by zero, a format_version of [] was unhashable)."""
+    doc = json.loads((good / local.checkpoint_name(4) / "manifest.json").read_text())
+    failures = []
+    for n, path in enumerate(entries(doc)):
+        folder = tmp_path / str(n)
+        shutil.copytree(good, folder)
+        edited = json.loads(json.dumps(doc))
+        edit(path, IN_JSON[value])(edited)
+        (folder / local.checkpoint_name(4) / "manifest.json").write_text(json.dumps(edited))
+        try:
+            with warnings.catch_warnings(record=True) as warned:
+                warnings.simplefilter("always")
+                train_state(train_config(max_duration="5ba"), ckpt_config(folder, interval="2ba", async_save=False))
+            failures += [f"{path}: warned {w.message}" for w in warned if not LENIENT.search(str(w.message))]
+        except Exception as e:
+            if exit_code_for(e) == EXIT_BUG:  # anything else is one line and a documented exit code
+                failures.append(f"{path}: {first_line(e)}")
+        shutil.rmtree(folder)
+    assert n > 20 and not failures, "\n".join(failures)
 
 
 def test_a_checkpoint_that_stepped_on_a_gpu_resumes_with_this_runs_way_of_stepping(good: Path, tmp_path: Path) -> None:

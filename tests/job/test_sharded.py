@@ -12,6 +12,7 @@ import json
 import pickle
 import shutil
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import pytest
@@ -23,7 +24,8 @@ from job.restore import restore
 from job.exceptions import CheckpointLoadError
 from job.sharded import by_id, tied_groups
 from tests.job.test_checkpoint import _Exploit
-from tests.support.checkpoints import zip_crc32s
+from tests.support.checkpoints import reseal, zip_crc32s
+from tests.support.hostile import IN_JSON, edit, entries, first_line
 from tests.support.jobs import REPO, JobProcess, events, inspect, job_env, run_job, train_config
 from tests.support.elastic import DATASET, TORCHRUN, assert_close, final_model, preempted, resumed, run
 from tests.support.recording_model import trained
@@ -236,6 +238,51 @@ def test_hostile_metadata_is_a_corrupt_checkpoint_never_code(saved: Path, tmp_pa
         with pytest.raises(CheckpointLoadError):
             describe(folder, manifest)
     assert not sentinel.exists()
+
+
+def _metadata_entries(doc: dict[str, Any]) -> Iterator[tuple[Any, ...]]:
+    """Every entry of the metadata's top level and of the first item of each layout (a tensor's, a step
+    count's of no dimensions, a non-tensor's): the items of one layout are read by the same code."""
+    yield from ((key,) for key in doc)
+    layouts: dict[tuple[str, int], int] = {}
+    for i, item in enumerate(doc["items"]):
+        layouts.setdefault((item["kind"], len(item.get("size", []))), i)
+    for i in layouts.values():
+        yield ("items", i)
+        yield from (("items", i, *path) for path in entries(doc["items"][i]))
+
+
+@pytest.mark.parametrize("value", list(IN_JSON))
+def test_no_entry_of_the_metadata_ends_a_load_in_a_traceback(saved: Path, tmp_path: Path, value: str) -> None:
+    """Each entry of dcp-metadata.json in turn set to ``value`` (or deleted), sealed again: the load refuses it
+    (exit 6), or what it loads resumes on one rank or is refused the same way. Never another error, which
+    the CLI prints as a traceback (exit 1). tests/job/test_restore.py sweeps the state the same way."""
+    from job.build import build
+    from job.elastic import for_this_rank
+
+    src = newest(saved / "w2")
+    doc = json.loads((src / DCP_METADATA).read_bytes())
+    failures = []
+    for n, path in enumerate(_metadata_entries(doc)):
+        folder = tmp_path / str(n) / src.name
+        shutil.copytree(src, folder)
+        edited = json.loads(json.dumps(doc))
+        edit(path, IN_JSON[value])(edited)
+        (folder / DCP_METADATA).write_text(json.dumps(edited))
+        reseal(folder)
+        try:
+            manifest = Manifest.read(folder)
+            tree = load_state_file(folder, manifest)
+            state = build(train_config(batch_size=32, grad_accum=1, seed=11)).state
+            handover = for_this_rank(tree, 0, 1, seed=11, step=manifest.step, source=str(folder))
+            restore(state, handover.tree, str(folder), manifest.step, manifest.timer)
+        except CheckpointLoadError as e:
+            if str(folder) not in str(e) or "\n" in str(e):
+                failures.append(f"{path}: refused without naming the checkpoint in one line: {e}")
+        except Exception as e:
+            failures.append(f"{path}: {first_line(e)}")
+        shutil.rmtree(folder.parent)
+    assert n > 20 and not failures, "\n".join(failures)
 
 
 def test_a_pickled_metadata_file_fails_inspect_and_a_resume_with_exit_6(saved: Path, tmp_path: Path) -> None:
