@@ -206,16 +206,19 @@ def refit_schedule(run: Run, lr: float) -> None:
     steps = run.schedule_steps
     if steps is None:
         return
+    step = run.state.timer.batch.value  # the loop steps every scheduler once per batch
     for scheduler in run.state.schedulers:
         if not isinstance(scheduler, torch.optim.lr_scheduler.CosineAnnealingLR):
             continue
-        if scheduler.T_max == steps and all(base == lr for base in scheduler.base_lrs):
+        if scheduler.T_max == steps and all(base == lr for base in scheduler.base_lrs) and scheduler.last_epoch == step:
             continue
-        step = scheduler.last_epoch
+        # A checkpoint of a run without a schedule then (--max-duration in tokens) has none to restore: the new
+        # one would start from its first step at this one.
         logger.warning("resuming with a learning-rate schedule of %d steps from lr %g, the checkpoint's was %d "
-                       "steps from lr %s: from step %d on the new one is followed, and the result will differ "
-                       "from an uninterrupted run", steps, lr, scheduler.T_max,
-                       "/".join(f"{b:g}" for b in scheduler.base_lrs), step)
+                       "steps from lr %s at its step %d: from step %d on the new one is followed, and the result "
+                       "will differ from an uninterrupted run", steps, lr, scheduler.T_max,
+                       "/".join(f"{b:g}" for b in scheduler.base_lrs), scheduler.last_epoch, step)
+        scheduler.last_epoch = step
         scheduler.T_max = steps
         scheduler.base_lrs = [lr] * len(scheduler.base_lrs)
         done = min(step, steps) / steps

@@ -299,6 +299,23 @@ def test_a_setting_the_checkpoint_lacks_is_no_damage(good: Path, tmp_path: Path)
     assert state.timer.batch.value == 6
 
 
+@pytest.mark.filterwarnings("ignore:CosineAnnealingLR .in schedulers. is not in the checkpoint:UserWarning")
+def test_a_checkpoint_without_a_schedule_resumes_at_its_step_of_the_new_one(good: Path, tmp_path: Path) -> None:
+    """A run without a schedule then saved neither a scheduler nor initial_lr. Resumed with one, the new
+    schedule is followed from the checkpoint's step, as if the run had had it all along; it once started
+    again from its first step there (2 of 8 at step 6, not 6 of 8)."""
+    def no_schedule(tree: dict[str, Any]) -> None:
+        tree["schedulers"] = {}
+        del tree["optimizers"]["AdamW"]["param_groups"][0]["initial_lr"]
+
+    cfg = train_config(max_duration="8ba")
+    resumed = train_state(cfg, ckpt_config(damaged_copy(good, tmp_path, no_schedule), async_save=False), stop_at=6)
+    fresh = train_state(cfg, ckpt_config(tmp_path / "fresh", async_save=False), stop_at=6)
+    assert resumed.schedulers[0].last_epoch == fresh.schedulers[0].last_epoch == 6
+    assert resumed.optimizers[0].param_groups[0]["lr"] == pytest.approx(fresh.optimizers[0].param_groups[0]["lr"],
+                                                                        rel=1e-9)
+
+
 def _scaled_state(steps: int = 0) -> State:
     """A State with AMP's loss scaler (its CPU flavour: the job's amp_fp16 one needs CUDA), after ``steps``
     scaled steps."""
