@@ -67,17 +67,7 @@ def restore_rng(state: dict[str, Any]) -> None:
     missing = [key for key in ("python", "numpy", "torch") if key not in state]
     if missing:
         raise StateError(f"rng state is missing {', '.join(missing)}; was it written by capture_rng()?")
-    numpy_state = state["numpy"]
-    try:
-        numpy_tuple = (
-            numpy_state["algorithm"],
-            np.asarray(numpy_state["keys"], dtype=np.int64).astype(np.uint32),
-            int(numpy_state["pos"]),
-            int(numpy_state["has_gauss"]),
-            float(numpy_state["cached_gaussian"]),
-        )
-    except (KeyError, TypeError) as error:
-        raise StateError(f"rng state has an unreadable numpy entry: {error}") from error
+    numpy_tuple = _numpy_state(state["numpy"])
     python_state = state["python"]
     # Pickling may turn the inner tuple into a list; random.setstate insists on tuples.
     python_tuple = tuple(tuple(part) if isinstance(part, list) else part for part in python_state)
@@ -86,6 +76,26 @@ def restore_rng(state: dict[str, Any]) -> None:
     np.random.set_state(numpy_tuple)
     torch.set_rng_state(state["torch"])
     _restore_cuda(state.get("cuda"))
+
+
+MT19937_WORDS = 624  # the keys of numpy's legacy generator; its position runs from 0 to this many
+
+
+def _numpy_state(saved: Any) -> tuple[str, np.ndarray, int, int, float]:
+    """numpy's legacy ``set_state`` checks the keys' count but not the position: a ``pos`` of 625 drew from
+    past the keys, one of 10**6 killed the process (SIGSEGV). Python's and torch's generators check theirs."""
+    try:
+        algorithm = saved["algorithm"]
+        keys = np.asarray(saved["keys"], dtype=np.int64)
+        pos, has_gauss, cached = int(saved["pos"]), int(saved["has_gauss"]), float(saved["cached_gaussian"])
+    except (KeyError, TypeError, ValueError, OverflowError) as error:
+        raise StateError(f"rng state has an unreadable numpy entry: {error}") from error
+    if (algorithm != "MT19937" or keys.shape != (MT19937_WORDS,) or keys.min() < 0 or keys.max() >= 2**32
+            or not 0 <= pos <= MT19937_WORDS or has_gauss not in (0, 1) or not np.isfinite(cached)):
+        raise StateError(f"rng state's numpy entry is not a MT19937 state ({MT19937_WORDS} keys of 32 bits, a "
+                         f"position from 0 to {MT19937_WORDS}): algorithm {str(algorithm)[:20]!r}, "
+                         f"{keys.size} keys, position {pos}")
+    return algorithm, keys.astype(np.uint32), pos, has_gauss, cached
 
 
 def _restore_cuda(saved: list[torch.Tensor] | None) -> None:

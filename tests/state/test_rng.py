@@ -79,6 +79,23 @@ def test_restore_refuses_a_state_missing_a_generator(missing: str) -> None:
         restore_rng(captured)
 
 
+@pytest.mark.parametrize(("entry", "value"), [
+    ("pos", 10**6), ("pos", 625), ("pos", -1), ("keys", torch.zeros(10, dtype=torch.int64)),
+    ("keys", torch.full((624,), 2**32)), ("algorithm", "PCG64"), ("has_gauss", 2), ("cached_gaussian", float("nan")),
+])
+def test_restore_refuses_a_numpy_state_its_generator_would_read_past(entry: str, value: object) -> None:
+    """numpy does not check the position: 10**6 read past its 624 keys until the process died (SIGSEGV), 625
+    drew garbage. Nothing is restored from a refused state, python's and torch's generators included."""
+    captured = capture_rng()
+    captured["numpy"][entry] = value
+    seed_all(3)
+    before = _draw()
+    seed_all(3)
+    with pytest.raises(StateError, match="numpy entry is not a MT19937 state"):
+        restore_rng(captured)
+    _assert_same_draws(_draw(), before)
+
+
 class _FakeCuda:
     """Stands in for torch.cuda's generator API on this CPU-only build."""
 
