@@ -10,8 +10,10 @@ CheckpointLoadError (exit 6) before training starts, with the earlier checkpoint
 """
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,12 +30,27 @@ CONTENT_ERRORS = (StateError, KeyError, RuntimeError, ValueError, TypeError, Att
 ADVICE = "restore a good checkpoint, or start a new run in another --save-folder/--remote"
 
 
+@dataclass(frozen=True)
+class Own:
+    """This run's optimizer and scheduler settings, read before anything of a checkpoint is loaded into its
+    State: a sharded resume loads the optimizers while it reads the checkpoint (job.sharded), before restore."""
+
+    settings: dict[str, tuple[bool, Any]]
+    stepping: list[list[dict[str, Any]]]
+
+
+def own_settings(state: State) -> Own:
+    return Own(copy.deepcopy(_settings(state)), copy.deepcopy(_stepping_flags(state)))
+
+
 def restore(state: State, tree: Mapping[Any, Any], source: str, step: int, timer: Mapping[str, int],
-            then: Callable[[dict[str, Any]], None] | None = None) -> None:
+            then: Callable[[dict[str, Any]], None] | None = None, own: Own | None = None) -> None:
     """Load ``tree`` (read by job.checkpoint, handed over by job.elastic) into ``state``, then check
-    what it restored against the checkpoint's manifest (``step``, ``timer``) and this run's optimizer.
-    ``then`` (job.elastic's Handover.finish: other ranks' metrics merged in) runs on the train metrics
-    after loading, its failures the checkpoint's like the load's."""
+    what it restored against the checkpoint's manifest (``step``, ``timer``) and this run's optimizer
+    (``own``: its settings before the read, read now when not given). ``then`` (job.elastic's
+    Handover.finish: other ranks' metrics merged in) runs on the train metrics after loading, its
+    failures the checkpoint's like the load's."""
+    own = own_settings(state) if own is None else own
     missing = [name for name in REQUIRED if name not in tree]
     if missing:
         raise CheckpointLoadError(f"checkpoint {source} has no {', '.join(missing)}: it is damaged or was not "
@@ -41,8 +58,6 @@ def restore(state: State, tree: Mapping[Any, Any], source: str, step: int, timer
     absent = _optimizers_absent(state, tree["optimizers"])
     if absent:  # State only warns: the run would go on with the moments of a first step, not a resume
         raise CheckpointLoadError(f"checkpoint {source} is damaged: its optimizers hold no {absent} state; {ADVICE}")
-    before = _settings(state)
-    stepping = _stepping_flags(state)
     try:
         state.load_state_dict(tree, strict=True)
         if then is not None:
@@ -51,8 +66,8 @@ def restore(state: State, tree: Mapping[Any, Any], source: str, step: int, timer
         raise CheckpointLoadError(
             f"checkpoint {source} does not fit this model/optimizer or is damaged ({_what_differs(e)}); "
             f"resume it with the --model it was written with, or {ADVICE}") from None
-    _keep_stepping_flags(state, stepping)
-    problem = (_timer_problem(state, step, timer) or _optimizer_problem(state) or _settings_problem(state, before)
+    _keep_stepping_flags(state, own.stepping)
+    problem = (_timer_problem(state, step, timer) or _settings_problem(state, own.settings) or _optimizer_problem(state)
                or _range_problem(state) or _scaler_problem(state) or _plain_problem(state))
     if problem is not None:
         raise CheckpointLoadError(f"checkpoint {source} is damaged: {problem}; {ADVICE}")
@@ -125,33 +140,39 @@ def _optimizer_problem(state: State) -> str | None:
             missing = [key for key in opt.defaults if key not in group]
             if missing:
                 return f"its {type(opt).__name__} param group has no {', '.join(map(repr, missing))}"
-            problem = _group_state_problem(opt, group["params"])
+            problem = _group_state_problem(opt, group)
             if problem is not None:
                 return problem
     return None
 
 
-def _group_state_problem(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> str | None:
-    """One param group's per-parameter state. The same entries for every parameter that has any (a parameter
-    without gradients yet has none): AdamW failed with a KeyError at the first step without one. An entry
-    that is a tensor of its parameter's shape for one parameter is one for all: one number instead of a
-    parameter's moments failed there too (the entries kept as one number, ``step``, differ by optimizer)."""
+def _group_state_problem(opt: torch.optim.Optimizer, group: Mapping[str, Any]) -> str | None:
+    """One param group's per-parameter state (empty for a parameter not stepped yet). Adam's and AdamW's
+    entries are known (the job builds AdamW: job.build): without one, or with one number for its moments, the
+    first step failed (KeyError, AttributeError). Another optimizer's entries are only compared between its
+    parameters: one that is a tensor of the parameter's shape for one parameter is one for all."""
+    expected = _expected_entries(opt, group)
     names: set[frozenset[Any]] = set()
     shaped: set[Any] = set()
     single: set[Any] = set()
-    for param in params:
+    for param in group["params"]:
         per_param = opt.state.get(param, {})
         if not isinstance(per_param, Mapping):
             return f"an optimizer state of a parameter is a {type(per_param).__name__}, not a mapping"
-        if per_param:
-            names.add(frozenset(per_param))
+        if not per_param:
+            continue
+        names.add(frozenset(per_param))
+        if expected is not None and set(per_param) != expected[0] | expected[1]:
+            return (f"its {type(opt).__name__} keeps {_names(per_param)} for a parameter, not "
+                    f"{_names(expected[0] | expected[1])}")
         for name, value in per_param.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
-                return (f"optimizer state {name!r} has shape {tuple(value.shape)} for a parameter of "
-                        f"shape {tuple(param.shape)}")
             if isinstance(value, torch.Tensor) and value.dtype == torch.bool:
                 return f"optimizer state {name!r} is a bool tensor"
-            if isinstance(value, torch.Tensor) and (value.dim() > 0 or param.dim() == 0):
+            moment = name in expected[0] if expected is not None else (
+                isinstance(value, torch.Tensor) and value.dim() > 0)
+            if moment:  # of the parameter's shape
+                if not isinstance(value, torch.Tensor) or value.shape != param.shape:
+                    return f"optimizer state {name!r} is {_kind(value)} for a parameter of shape {tuple(param.shape)}"
                 shaped.add(name)
                 continue
             if not _is_number(value):
@@ -159,16 +180,36 @@ def _group_state_problem(opt: torch.optim.Optimizer, params: list[torch.Tensor])
             # torch steps from here: a step count of nan (or inf) trained NaN weights, -1 divided by zero.
             if not _finite(value) or (name == "step" and float(value) < 0):
                 return f"optimizer state {name!r} is {clip(repr(_plain(value)), 40)}, not a finite count"
-            single.add(name)
+            if param.dim() > 0:  # for a parameter of no dimensions a moment is one number too
+                single.add(name)
     if len(names) > 1:
         first, *others = sorted(names, key=len)
-        return (f"its optimizer keeps {', '.join(sorted(map(repr, first)))} for one parameter and "
-                f"{', '.join(sorted(map(repr, others[-1])))} for another of the same group")
+        return (f"its optimizer keeps {_names(first)} for one parameter and {_names(others[-1])} for another of "
+                "the same group")
     both = shaped & single
     if both:
         return (f"optimizer state {sorted(map(repr, both))[0]} is one number for some parameters and a tensor of "
                 "the parameter's shape for others")
     return None
+
+
+def _expected_entries(opt: torch.optim.Optimizer, group: Mapping[str, Any]) -> tuple[set[str], set[str]] | None:
+    """(the moments, of the parameter's shape; the counts, one number each) that ``opt`` keeps for a parameter
+    it has stepped, for the optimizers whose entries are known; None for others. The group's own amsgrad says
+    whether there is a third moment (_settings_problem then compares it with this run's)."""
+    if isinstance(opt, torch.optim.Adam):  # AdamW too
+        return {"exp_avg", "exp_avg_sq"} | ({"max_exp_avg_sq"} if group.get("amsgrad") is True else set()), {"step"}
+    return None
+
+
+def _names(names: Any) -> str:
+    return ", ".join(sorted(map(repr, names)))
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return clip(repr(value), 40) if _is_number(value) else f"a {type(value).__name__}"
 
 
 def _plain(value: Any) -> Any:

@@ -18,7 +18,7 @@ from job.checkpoint import STATE_FILE, Checkpointer, check_settings, load_shard,
 from job.config import CheckpointConfig
 from job.exceptions import CheckpointLoadError, ConfigError
 from job.logs import event
-from job.restore import restore
+from job.restore import own_settings, restore
 from job.storage import RemoteStore
 from state import State
 from uploader import local
@@ -127,6 +127,7 @@ def resume(state: State, cfg: CheckpointConfig, checkpointer: Checkpointer, meta
     nodes resumes a newer checkpoint from the bucket with each node downloading only what its ranks read
     (job.node_pull).
     """
+    own = own_settings(state)  # before a sharded read loads the checkpoint's optimizer settings into state
     loaded = None
     if mesh is not None and distributed.nodes() > 1 and cfg.resume == "auto":
         found = node_pull.resume_from_bucket(state, cfg.folder, store, _newest_whole_local(cfg.folder), meta)
@@ -143,7 +144,7 @@ def resume(state: State, cfg: CheckpointConfig, checkpointer: Checkpointer, meta
         tree = read()
         handover = elastic.for_this_rank(tree, distributed.rank(), distributed.world_size(),
                                          seed=state.rank_zero_seed, step=step, source=source)
-        restore(state, handover.tree, source, step, timer, then=handover.finish)
+        restore(state, handover.tree, source, step, timer, then=handover.finish, own=own)
     except CheckpointLoadError as e:
         error = str(e)
     errors = [e for e in distributed.all_gather(error) if e is not None]

@@ -47,5 +47,7 @@ def first_line(e: BaseException, limit: int = 160) -> str:
 
 
 def clip(text: str, limit: int) -> str:
-    """``text`` cut to ``limit`` characters, with "..." when cut: error lines stay one readable line."""
+    """``text`` on one line (a tensor's repr has several) and cut to ``limit`` characters, with "..." when
+    cut: error lines stay one readable line."""
+    text = re.sub(r"\s*\n\s*", " ", text)
     return text if len(text) <= limit else text[: limit - 3] + "..."

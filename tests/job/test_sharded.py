@@ -11,15 +11,15 @@ import io
 import json
 import pickle
 import shutil
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 import torch
 
 from job import dcp_storage
-from job.checkpoint import describe, load_state_file, open_checkpoint
+from job.checkpoint import STATE_FILE, describe, load_state_file, open_checkpoint
 from job.restore import restore
 from job.exceptions import CheckpointLoadError
 from job.sharded import by_id, tied_groups
@@ -296,6 +296,39 @@ def test_a_pickled_metadata_file_fails_inspect_and_a_resume_with_exit_6(saved: P
     errors = [line for line in ranks.stderr.splitlines() if line.startswith("job: error:")]
     assert len(errors) == 2 and all("is damaged or hostile" in e for e in errors), ranks.stderr[-3000:]  # no rank hangs
     assert not sentinel.exists()
+
+
+@pytest.mark.parametrize("change, refusal", [
+    ({"capturable": True, "fused": True, "foreach": True}, None),
+    ({"amsgrad": True}, "AdamW 0 group 0 amsgrad is True, this run's optimizer has False"),
+    ({"lr": "fast"}, "AdamW 0 group 0 lr is 'fast', not a number like"),
+], ids=["a GPU run's way of stepping", "amsgrad switched on", "a learning rate of 'fast'"])
+def test_a_sharded_resume_checks_the_optimizer_settings_against_this_runs(tmp_path: Path, change: dict[str, Any],
+                                                                          refusal: str | None) -> None:
+    """A sharded resume loads the optimizers while it reads the checkpoint (job.sharded), before job.restore
+    checks them: this run's own settings are read before the read. They were read after it, from the
+    checkpoint: a GPU run's capturable=True failed an assertion at the first step, amsgrad a KeyError and
+    a learning rate of 'fast' a TypeError, each a traceback. The checkpoint here is a 1-process one, which
+    the sharded run loads whole (sharded.load_full_state); a sharded one goes through the same order."""
+    folder = tmp_path / "ck"
+    first = run_job("train", "--save-folder", str(folder), "--max-duration", "2ba", "--log-format", "json")
+    assert first.returncode == 0, first.stderr[-2000:]
+    ckpt = newest(folder)
+    tree = torch.load(ckpt / STATE_FILE, weights_only=True)
+    tree["optimizers"]["AdamW"]["param_groups"][0].update(change)
+    torch.save(tree, ckpt / STATE_FILE)
+    reseal(ckpt)
+    ranks = JobProcess([*TORCHRUN, "--nproc-per-node", "2", "-m", "job", "train", "--sharded", "--save-folder",
+                        str(folder), "--max-duration", "4ba", "--log-format", "json"], env=job_env())
+    ranks.wait(180)
+    if refusal is None:
+        assert ranks.proc.returncode == 0, ranks.stderr[-3000:]
+        group = load_state_file(*open_checkpoint(folder))["optimizers"]["AdamW"]["param_groups"][0]
+        assert (group["capturable"], group["fused"], group["foreach"]) == (False, None, None)
+        return
+    errors = [line for line in ranks.stderr.splitlines() if line.startswith("job: error:")]
+    assert len(errors) == 2 and all(refusal in e for e in errors), ranks.stderr[-3000:]  # no rank trains on alone
+    assert "(exitcode: 6)" in ranks.stderr  # torchrun's own exit code is 1
 
 
 # -- resuming whole runs on other rank counts -------------------------------------------------------
