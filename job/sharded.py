@@ -180,10 +180,20 @@ def load_targets(state: State, metadata: Metadata) -> dict[str, Any]:
     """What a load of the checkpoint ``metadata`` describes fills on this rank: this run's model and
     optimizer state dicts (DTensors of this run's sharding), as DCP's load planner takes them."""
     targets: dict[str, Any] = {}
+    saved = {tuple(path) for path in metadata.planner_data.values()}
     for name, opt in _optimizers(state).items():
         # A target needs the optimizer's state to exist: get_optimizer_state_dict creates it (a zero step),
         # which the load then overwrites; one saved before its first step loads its hyperparameters only.
-        targets[name] = get_optimizer_state_dict(state.model, opt) if _has_state(metadata, name) else opt.state_dict()
+        if not _has_state(metadata, name):
+            targets[name] = opt.state_dict()
+            continue
+        target = get_optimizer_state_dict(state.model, opt)
+        # The zero step gives every parameter state, also one that never had a gradient (a child its forward
+        # does not use), which AdamW kept none for and the checkpoint holds none of: DCP refused the load as
+        # "Missing key". Such a parameter is left out, and keeps no state after the load, as before the save.
+        target["state"] = {fqn: entries for fqn, entries in target["state"].items()
+                           if any((OPTIMIZERS, name, "state", fqn, key) in saved for key in entries)}
+        targets[name] = target
     return {MODEL: get_model_state_dict(state.model), OPTIMIZERS: targets}
 
 
@@ -211,7 +221,9 @@ def load_resharded(state: State, folder: Path, metadata: Metadata) -> dict[str, 
         set_model_state_dict(state.model, tree[MODEL])
         for name, opt in _optimizers(state).items():
             if _has_state(metadata, name):
-                set_optimizer_state_dict(state.model, opt, tree[OPTIMIZERS][name])
+                # strict=False lets a parameter without state (see load_targets) keep none; it relaxes nothing else
+                set_optimizer_state_dict(state.model, opt, tree[OPTIMIZERS][name],
+                                         options=StateDictOptions(strict=False))
             else:
                 opt.load_state_dict(tree[OPTIMIZERS][name])
     except (KeyError, RuntimeError, ValueError, TypeError) as e:

@@ -377,6 +377,29 @@ def test_unsharded_1_then_sharded_2_ranks_end_close(tmp_path: Path, uninterrupte
     assert_close(final_model(folder), uninterrupted["single"])
 
 
+SPARE = ["--model", "tests.support.spare_model:build", "--sharded"]
+
+
+def test_a_parameter_that_never_had_a_gradient_resumes_sharded_as_it_was(tmp_path: Path) -> None:
+    """AdamW keeps no state for a parameter its model's forward never uses, so the checkpoint has none; the
+    load's targets had some for every parameter (get_optimizer_state_dict's zero step), and DCP refused
+    every resume of such a run as "Missing key" (exit 6). Now it resumes, bit for bit on as many ranks, and
+    the parameter still has no state."""
+    straight = run(2, tmp_path / "straight", tmp_path / "record-straight", *SPARE)
+    assert straight.proc.returncode == 0, straight.stderr[-3000:]
+    folder, record = tmp_path / "ck", tmp_path / "record"
+    first = run(2, folder, record, *SPARE, stop_after=6)
+    assert preempted(first), first.stderr[-3000:]
+    second = run(2, folder, record, *SPARE)
+    assert second.proc.returncode == 0, second.stderr[-3000:]
+
+    assert resumed(second) == [(2, 2)] and sorted(trained(record)) == list(range(DATASET))
+    weights, expected = final_model(folder), final_model(tmp_path / "straight")
+    assert all(torch.equal(weights[name], expected[name]) for name in expected)
+    moments = load_state_file(*open_checkpoint(folder))["optimizers"]["AdamW"]["state"]
+    assert len(moments) == len(weights) - 2  # none for spare.weight and spare.bias
+
+
 # -- tied weights ------------------------------------------------------------------------------------
 
 TIED = ["--model", "tests.support.tied_model:build", "--sharded", "--batch-size", "48", "--grad-accum", "2"]
