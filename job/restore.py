@@ -167,19 +167,25 @@ def _group_state_problem(opt: torch.optim.Optimizer, group: Mapping[str, Any]) -
                     f"{_names(expected[0] | expected[1])}")
         for name, value in per_param.items():
             if isinstance(value, torch.Tensor) and value.dtype == torch.bool:
-                return f"optimizer state {name!r} is a bool tensor"
+                return f"optimizer state {clip(repr(name), 40)} is a bool tensor"
+            if isinstance(value, torch.Tensor) and value.layout != torch.strided:  # lerp_ has no sparse kernel
+                return f"optimizer state {clip(repr(name), 40)} is a {value.layout} tensor, not a dense one"
+            if expected is not None and name in expected[1] and isinstance(value, torch.Tensor) and (
+                    not value.is_floating_point()):  # torch writes a float32 count: an int one overflowed at +1
+                return f"optimizer state {name!r} is a tensor of {value.dtype}, not of a floating-point type"
             moment = name in expected[0] if expected is not None else (
                 isinstance(value, torch.Tensor) and value.dim() > 0)
             if moment:  # of the parameter's shape
                 if not isinstance(value, torch.Tensor) or value.shape != param.shape:
-                    return f"optimizer state {name!r} is {_kind(value)} for a parameter of shape {tuple(param.shape)}"
+                    return (f"optimizer state {clip(repr(name), 40)} is {_kind(value)} for a parameter of shape "
+                            f"{tuple(param.shape)}")
                 shaped.add(name)
                 continue
             if not _is_number(value):
-                return f"optimizer state {name!r} is a {type(value).__name__}, not a tensor"
+                return f"optimizer state {clip(repr(name), 40)} is a {type(value).__name__}, not a tensor"
             # torch steps from here: a step count of nan (or inf) trained NaN weights, -1 divided by zero.
             if not _finite(value) or (name == "step" and float(value) < 0):
-                return f"optimizer state {name!r} is {clip(repr(_plain(value)), 40)}, not a finite count"
+                return f"optimizer state {clip(repr(name), 40)} is {clip(repr(_plain(value)), 40)}, not a finite count"
             if param.dim() > 0:  # for a parameter of no dimensions a moment is one number too
                 single.add(name)
     if len(names) > 1:
@@ -188,8 +194,8 @@ def _group_state_problem(opt: torch.optim.Optimizer, group: Mapping[str, Any]) -
                 "the same group")
     both = shaped & single
     if both:
-        return (f"optimizer state {sorted(map(repr, both))[0]} is one number for some parameters and a tensor of "
-                "the parameter's shape for others")
+        return (f"optimizer state {clip(sorted(map(repr, both))[0], 40)} is one number for some parameters and a "
+                "tensor of the parameter's shape for others")
     return None
 
 
@@ -203,7 +209,7 @@ def _expected_entries(opt: torch.optim.Optimizer, group: Mapping[str, Any]) -> t
 
 
 def _names(names: Any) -> str:
-    return ", ".join(sorted(map(repr, names)))
+    return clip(", ".join(sorted(clip(repr(name), 40) for name in names)), 200)
 
 
 def _kind(value: Any) -> str:

@@ -102,6 +102,13 @@ DAMAGED_STATES = {
                                                "'exp_avg_sq', 'step'"),
     "no parameter with its second moments": (_every_parameter(_drop("exp_avg_sq")),
                                              "its AdamW keeps 'exp_avg', 'step'"),
+    "a step count of a whole-number type": (_set("optimizers.AdamW.state.0.step", torch.tensor(2 ** 63 - 1)),
+                                            "'step' is a tensor of torch.int64, not of a floating-point type"),
+    "sparse moments": (_set("optimizers.AdamW.state.0.exp_avg", torch.zeros(128, 2).to_sparse()),
+                       "optimizer state 'exp_avg' is a torch.sparse_coo tensor, not a dense one"),
+    "optimizer entries named by 10,000 characters and by a 20x20 tensor": (
+        _every_parameter(lambda state: state.update({"x" * 10_000: 0.5, torch.zeros(20, 20): 0.5})),
+        "its AdamW keeps 'exp_avg', 'exp_avg_sq', 'step', 'xxxxx"),
     "a step count of nan (NaN weights, silently)": (_set("optimizers.AdamW.state.0.step", torch.tensor(float("nan"))),
                                                     "optimizer state 'step' is nan, not a finite count"),
     "a step count of -1": (_set("optimizers.AdamW.state.0.step", torch.tensor(-1.0)),
@@ -159,6 +166,7 @@ def test_damaged_content_is_refused_before_training_and_loses_nothing(good: Path
     with pytest.raises(CheckpointLoadError, match=f"checkpoint .*{local.checkpoint_name(4)}") as refused:
         train_state(train_config(max_duration="6ba"), ckpt_config(folder, interval="2ba", async_save=False))
     assert says in str(refused.value)
+    assert "\n" not in str(refused.value) and len(str(refused.value)) < 1000  # one line, whatever the file holds
     assert checkpoints_of(folder) == before  # step 2 and the damaged step 4 alike: nothing rewritten
 
 
