@@ -12,6 +12,11 @@ from job.schedule import Interval
 from state import SEED_LIMIT, Precision, Time, TimeUnit
 
 
+# DataLoader processes per rank: more than any machine runs usefully (torch suggests one per CPU); a typo of
+# 10**20 made the DataLoader fork until the machine ran out of processes, with no error.
+MAX_WORKERS = 256
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     model: str
@@ -46,8 +51,8 @@ class TrainConfig:
             raise ValueError(f"--seed must be between 0 and {SEED_LIMIT - 1}, not {self.seed}")
         if self.log_interval < 1:
             raise ValueError("--log-interval must be >= 1")
-        if self.num_workers < 0:
-            raise ValueError("--num-workers must be >= 0")
+        if not 0 <= self.num_workers <= MAX_WORKERS:  # torch's DataLoader forks as many as it is told, forever
+            raise ValueError(f"--num-workers must be from 0 to {MAX_WORKERS}, not {self.num_workers}")
         if self.precision != Precision.FP32 and self.device != "cuda":
             raise ValueError(
                 f"--precision {self.precision.value} needs --device cuda (a GPU); use --precision fp32 on CPU"
