@@ -30,7 +30,7 @@ from job.signals import StopRequest
 from job.spot import SpotWatcher, check_endpoint, make_source
 from job.storage import UPLOAD_MODES, RemoteConfig
 from state import SEED_LIMIT, Precision, PrecisionError, Time, TimeUnit
-from uploader.cli import Seconds, report_click_error
+from uploader.cli import Folder, Seconds, report_click_error
 from uploader.config import ADDRESSING_STYLES, UploadConfig
 from uploader.exceptions import UploaderError
 from uploader.redact import redact_text
@@ -181,7 +181,7 @@ def _dump_stacks_in_child(stream: Any) -> None:
 @option("--tensorboard/--no-tensorboard", default=True,
         help="Write training curves (loss, lr, throughput, eval, checkpoint stall) as TensorBoard event files "
              "under <save-folder>/runlog/tensorboard, uploaded with the checkpoints; one clean curve across resumes.")
-@option("--save-folder", type=click.Path(file_okay=False, path_type=Path), default=Path("checkpoints"),
+@option("--save-folder", type=Folder(), default=Path("checkpoints"),
         help="Local checkpoint folder.")
 @option("--save-interval", type=IntervalType(), default="5m",
         help="Checkpoint every N ba/ep, a fraction of --max-duration (0.1dur) or wall clock (90s, 5m).")

@@ -221,8 +221,22 @@ def _open(url: str, config: UploadConfig) -> Remote:
         raise click.BadParameter(str(e), param_hint="REMOTE") from None
 
 
-LOCAL = click.Path(file_okay=False, path_type=Path)
-EXISTING_LOCAL = click.Path(exists=True, file_okay=False, path_type=Path)  # a typo must not look like success
+class Folder(click.Path):
+    """A local folder, never an empty string: a variable set to nothing (``$(LOCAL)`` in a pod's args,
+    ``JOB_SAVE_FOLDER=``) was the working directory, in a container its own writable layer, which goes with
+    the container and the checkpoints with it."""
+
+    def __init__(self, exists: bool = False) -> None:
+        super().__init__(exists=exists, file_okay=False, path_type=Path)
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        if isinstance(value, str) and not value.strip():
+            self.fail("is empty; give a folder (. for the working directory)", param, ctx)
+        return super().convert(value, param, ctx)
+
+
+LOCAL = Folder()
+EXISTING_LOCAL = Folder(exists=True)  # a typo must not look like success
 HARD_STOP_MARGIN = 5.0  # seconds after --grace before `watch` exits whatever it is doing
 
 

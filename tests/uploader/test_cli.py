@@ -96,9 +96,11 @@ def test_pull_onto_a_full_disk_exits_7_with_one_line_and_changes_nothing(tmp_pat
         (["watch", "--poll-interval", "nan", "/tmp", "file:///tmp/x"], "'nan' is not a number of seconds"),
         (["watch", "--grace", "nan", "/tmp", "file:///tmp/x"], "--grace"),
         (["--connect-timeout", "1e308", "ls", "file:///tmp/x"], "--connect-timeout"),
+        (["watch", "", "file:///tmp/x"], "'LOCAL': is empty; give a folder"),
+        (["sync", " ", "file:///tmp/x"], "'LOCAL': is empty; give a folder"),
     ],
     ids=["scheme", "relative-file-url", "part-size", "addressing", "endpoint-without-scheme", "sync-missing-local",
-         "poll-interval-nan", "grace-nan", "timeout-beyond-a-wait"],
+         "poll-interval-nan", "grace-nan", "timeout-beyond-a-wait", "watch-empty-local", "sync-blank-local"],
 )
 def test_usage_errors_exit_2(args: list[str], says: str) -> None:
     result = run_cli(args, isolated_aws_env(ADMIN))
