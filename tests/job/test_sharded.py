@@ -27,7 +27,8 @@ from tests.job.test_checkpoint import _Exploit
 from tests.support.checkpoints import reseal, zip_crc32s
 from tests.support.hostile import IN_JSON, edit, entries, first_line
 from tests.support.jobs import REPO, JobProcess, events, inspect, job_env, run_job, train_config
-from tests.support.elastic import DATASET, TORCHRUN, assert_close, final_model, preempted, resumed, run
+from tests.support.elastic import (DATASET, TORCHRUN, assert_close, final_model, preempted, resumed, run,
+                                   straight_then_resumed)
 from tests.support.recording_model import trained
 from uploader.hashing import BLOCK_SIZE, file_digest
 from uploader.local import list_committed
@@ -385,14 +386,7 @@ def test_a_parameter_that_never_had_a_gradient_resumes_sharded_as_it_was(tmp_pat
     load's targets had some for every parameter (get_optimizer_state_dict's zero step), and DCP refused
     every resume of such a run as "Missing key" (exit 6). Now it resumes, bit for bit on as many ranks, and
     the parameter still has no state."""
-    straight = run(2, tmp_path / "straight", tmp_path / "record-straight", *SPARE)
-    assert straight.proc.returncode == 0, straight.stderr[-3000:]
-    folder, record = tmp_path / "ck", tmp_path / "record"
-    first = run(2, folder, record, *SPARE, stop_after=6)
-    assert preempted(first), first.stderr[-3000:]
-    second = run(2, folder, record, *SPARE)
-    assert second.proc.returncode == 0, second.stderr[-3000:]
-
+    second, folder, record = straight_then_resumed(tmp_path, 2, 2, *SPARE)
     assert resumed(second) == [(2, 2)] and sorted(trained(record)) == list(range(DATASET))
     weights, expected = final_model(folder), final_model(tmp_path / "straight")
     assert all(torch.equal(weights[name], expected[name]) for name in expected)
@@ -417,14 +411,7 @@ def test_children_that_share_a_parameter_are_sharded_as_one_group() -> None:
 
 
 def test_a_tied_model_trains_sharded_resumes_on_3_ranks_and_keeps_its_tie(tmp_path: Path) -> None:
-    straight = run(2, tmp_path / "straight", tmp_path / "record-straight", *TIED)
-    assert straight.proc.returncode == 0, straight.stderr[-3000:]
-    folder, record = tmp_path / "ck", tmp_path / "record"
-    first = run(2, folder, record, *TIED, stop_after=6)
-    assert preempted(first), first.stderr[-3000:]
-    second = run(3, folder, record, *TIED)
-    assert second.proc.returncode == 0, second.stderr[-3000:]
-
+    second, folder, record = straight_then_resumed(tmp_path, 2, 3, *TIED)
     assert resumed(second) == [(2, 3)]
     assert [e["deferred_init"] for e in events(second.stderr) if e.get("event") == "built"] == [True]
     assert sorted(trained(record)) == list(range(DATASET))

@@ -34,6 +34,20 @@ def run(ranks: int, folder: Path, record: Path, *extra: str, stop_after: int | N
     return proc
 
 
+def straight_then_resumed(tmp_path: Path, ranks: int, then: int, *extra: str) -> tuple[JobProcess, Path, Path]:
+    """The run uninterrupted on ``ranks`` (into ``tmp_path/straight``), and the same run stopped after step 6
+    and resumed on ``then`` ranks (``tmp_path/ck``, recording into ``tmp_path/record``), each life checked
+    to have ended as it should. The resumed life, its folder and its record."""
+    straight = run(ranks, tmp_path / "straight", tmp_path / "record-straight", *extra)
+    assert straight.proc.returncode == 0, straight.stderr[-3000:]
+    folder, record = tmp_path / "ck", tmp_path / "record"
+    first = run(ranks, folder, record, *extra, stop_after=6)
+    assert preempted(first), first.stderr[-3000:]
+    second = run(then, folder, record, *extra)
+    assert second.proc.returncode == 0, second.stderr[-3000:]
+    return second, folder, record
+
+
 def final_model(folder: Path) -> dict[str, torch.Tensor]:
     """The newest checkpoint's weights, sharded ones reassembled."""
     path, manifest = open_checkpoint(folder)
