@@ -2,10 +2,13 @@
 
 Faults can be switched while traffic flows:
 
-* ``reset_after(n, times)``: the next ``times`` connections (None: all) that carry data, already open
-  ones included, are reset (RST) once ``n`` more bytes have passed in either direction: mid-transfer;
+* ``reset_after(n, times, on=None)``: the next ``times`` connections (None: all) that carry data, already
+  open ones included, are reset (RST) once ``n`` more bytes have passed in either direction: mid-transfer;
   with ``graceful=True`` they are closed cleanly (FIN) instead, as a server or load balancer that
-  gives up on a connection does: the client sees a body that simply ends early;
+  gives up on a connection does: the client sees a body that simply ends early. With ``on`` (a regular
+  expression), only a connection carrying a request whose request line it matches counts, e.g. the GET of
+  one key: which pooled connection carries the next small request (a listing, a HEAD) is the client's
+  choice, and one that carries nothing large would take a budget and never spend it;
 * ``slow_down(k)``: the next ``k`` requests are answered ``503 Slow Down`` with an S3 XML error body,
   without reaching the server;
 * ``delay(seconds)``: sleep before forwarding every chunk (a slow link);
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import re
 import socket
 import struct
 import threading
@@ -82,6 +86,7 @@ class FaultProxy:
         self._reset_after: int | None = None
         self._reset_times: int | None = None
         self._graceful = False
+        self._reset_on: str | None = None
         self._generation = 0  # bumped by reset_after(): connections then claim a fresh budget
         self._slowdowns = 0
         self._delay = 0.0
@@ -109,13 +114,13 @@ class FaultProxy:
     def passthrough(self) -> None:
         with self._lock:
             self._reset_after, self._reset_times, self._slowdowns, self._delay = None, None, 0, 0.0
-            self._trickle, self._hold = None, None
+            self._trickle, self._hold, self._reset_on = None, None, None
             self._generation += 1
             self._released.notify_all()
 
-    def reset_after(self, nbytes: int, times: int | None = None, graceful: bool = False) -> None:
+    def reset_after(self, nbytes: int, times: int | None = None, graceful: bool = False, on: str | None = None) -> None:
         with self._lock:
-            self._reset_after, self._reset_times, self._graceful = nbytes, times, graceful
+            self._reset_after, self._reset_times, self._graceful, self._reset_on = nbytes, times, graceful, on
             self._generation += 1
 
     def slow_down(self, requests: int) -> None:
@@ -255,6 +260,7 @@ class _Connection:
         with proxy._lock:
             self.strip = proxy._strip
         self.methods: collections.deque[str] = collections.deque()  # requests not answered yet (strip mode only)
+        self.request_line = ""  # the last request forwarded (its response follows it)
 
     def pump_requests(self) -> None:
         buf = b""
@@ -276,6 +282,7 @@ class _Connection:
                 if self.strip is not None:
                     self.methods.append(request_line.split(" ", 1)[0])
                 self.proxy._wait_if_held(request_line)
+                self.request_line = request_line
                 for answer, refused in ((SLOW_DOWN, self.proxy._take_slowdown),
                                         (NOT_IMPLEMENTED, lambda: self.proxy._refuses(headers))):
                     if refused():
@@ -370,7 +377,11 @@ class _Connection:
         with self.lock:
             with self.proxy._lock:
                 if self.generation != self.proxy._generation:
-                    self.generation, self.budget = self.proxy._claim_budget(self.generation)
+                    on = self.proxy._reset_on
+                    if on is None or re.search(on, self.request_line):
+                        self.generation, self.budget = self.proxy._claim_budget(self.generation)
+                    else:  # not a connection this generation's reset is for, or not yet
+                        self.budget = None
             if self.budget is not None:
                 if len(data) >= self.budget:
                     allowed, self.budget = data[: self.budget], 0

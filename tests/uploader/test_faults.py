@@ -28,7 +28,7 @@ def via(proxy: FaultProxy, bucket: Bucket, **overrides: object) -> Remote:
 @pytest.mark.parametrize(
     ("inject", "counter", "expected"),
     [
-        (lambda p: p.reset_after(1 * MiB, times=3), "resets", 3),
+        (lambda p: p.reset_after(1 * MiB, times=3, on=r"^PUT \S+/big\.bin\?\S*partNumber="), "resets", 3),
         (lambda p: p.slow_down(3), "slowdowns", 3),
     ],
     ids=["connection-resets-mid-transfer", "503-slow-down"],
@@ -55,8 +55,8 @@ def test_download_survives_resets(fault_proxy: FaultProxy, s3_bucket: Bucket, tm
     ckpt = make_checkpoint(tmp_path / "local", 10, WITH_LARGE_FILE)
     remote = via(fault_proxy, s3_bucket)
     push(ckpt, remote, keep=3)
-    # Smaller than state.pt: each of the next two connections dies half-way through a response body.
-    fault_proxy.reset_after(100_000, times=2, graceful=graceful)
+    # Each of the next two connections that carry big.bin dies 100 kB into it, inside a 5 MiB range's body.
+    fault_proxy.reset_after(100_000, times=2, graceful=graceful, on=r"^GET \S+/big\.bin ")
 
     pulled = pull_newest(remote, tmp_path / "restore")
 
@@ -69,7 +69,8 @@ def test_a_range_retried_mid_block_is_hashed_afresh(fault_proxy: FaultProxy, s3_
     ckpt = make_checkpoint(tmp_path / "local", 10, {"state.pt": 11 * MiB + 123}, block_size=768 * 1024)
     remote = via(fault_proxy, s3_bucket)
     push(ckpt, remote, keep=3)
-    fault_proxy.reset_after(1_300_000, times=1)  # inside a range's second 768 KiB block
+    # 1.3 MB into a ranged GET of state.pt: inside the range's second 768 KiB block.
+    fault_proxy.reset_after(1_300_000, times=1, on=r"^GET \S+/state\.pt ")
 
     pulled = pull_newest(remote, tmp_path / "restore")
 
