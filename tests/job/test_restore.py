@@ -86,8 +86,8 @@ DAMAGED_STATES = {
     "a learning rate of nan": (_set("optimizers.AdamW.param_groups.0.lr", float("nan")), "AdamW 0 group 0 lr is nan"),
     "a parameter's optimizer state that is a list": (_set("optimizers.AdamW.state.0", []),
                                                      "an optimizer state of a parameter is a list, not a mapping"),
-    # Found by replacing every entry of a good checkpoint in turn (test_no_entry_of_a_checkpoint_...): each of
-    # these failed at the first step with a traceback (exit 1), or trained on silently where noted.
+    # Found by replacing every entry of a good checkpoint in turn (test_no_entry_of_a_checkpoint_...) or in review:
+    # each of these failed at the first step with a traceback (exit 1), or trained on silently where noted.
     "no state of this run's optimizer (fresh moments, silently)": (_set("optimizers", {}),
                                                                    "its optimizers hold no AdamW state"),
     "a CUDA rng entry of 'x' (only warned without a GPU)": (
