@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from job.safe_load import first_line as safe_line
+
 DELETED = object()  # what edit() puts in place of an entry it removes
 
 HOSTILE: dict[str, Any] = {
@@ -61,4 +63,5 @@ def entries(node: Any, path: tuple[Any, ...] = (), seen: set[str] | None = None)
 
 
 def first_line(error: BaseException) -> str:
-    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}"
+    """A sweep's failure as one line: the product's own (job.safe_load), after the exception's type."""
+    return f"{type(error).__name__}: {safe_line(error, 200)}"
