@@ -61,6 +61,7 @@ MAX_STEP = 10**12 - 1  # step folder names have 12 digits
 MAX_PATH_BYTES = 1024  # in UTF-8
 MAX_NAME_BYTES = 255  # NAME_MAX: the longest folder or file name Linux filesystems take
 MAX_NODES = 100_000
+MAX_DEPTH = 32  # folders in a file's path, and JSON nesting: far beyond what a checkpoint has
 _SAVE_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}", re.ASCII)  # one save's parts, across nodes
 # The payload the job loads (job.checkpoint.STATE_FILE; job.sharded and job.dcp_storage for a sharded
 # one): a checkpoint without it cannot be resumed, so it is refused here, with the other damage, and the
@@ -91,8 +92,10 @@ def safe_relpath(name: str) -> str:
     if max(map(len, encoded.split(b"/"))) > MAX_NAME_BYTES:  # damage, not a full disk (ENAMETOOLONG)
         raise ManifestError(f"file name in manifest has a part longer than {MAX_NAME_BYTES} bytes, "
                             "which no Linux filesystem can hold")
-    if name == MANIFEST_NAME:
-        raise ManifestError("a manifest cannot list itself")
+    if len(p.parts) > MAX_DEPTH:  # the layout check looks at every folder of every path
+        raise ManifestError(f"file name in manifest is more than {MAX_DEPTH} folders deep")
+    if p.parts[0] == MANIFEST_NAME:  # itself, or a folder where the manifest must go
+        raise ManifestError(f"a manifest cannot list {name!r}: that is where the manifest goes")
     return name
 
 
@@ -157,7 +160,7 @@ class Manifest:
         if len(data) > MAX_MANIFEST_BYTES:
             raise ManifestError(f"manifest is larger than {MAX_MANIFEST_BYTES} bytes")
         try:
-            doc = strict_json(data)
+            doc = strict_json(data, max_depth=MAX_DEPTH)
         except ValueError as e:
             raise ManifestError(f"manifest is not valid JSON: {e}") from None
         if not isinstance(doc, dict):
@@ -273,15 +276,35 @@ def lstat_inside(folder: Path, relpath: str) -> os.stat_result:
     return st
 
 
-def strict_json(data: bytes | str) -> Any:
+def strict_json(data: bytes | str, max_depth: int | None = None) -> Any:
     """JSON from an untrusted file: no NaN or Infinity, and nesting too deep for the parser is a
-    ValueError like any other malformed document, never a RecursionError."""
+    ValueError like any other malformed document, never a RecursionError. Where the parser gives up
+    depends on how deep the caller's stack is, so the same file could be good in one thread and bad in
+    another; ``max_depth`` refuses nesting beyond a fixed depth first, the same everywhere."""
+    if max_depth is not None and _nested_beyond(data.encode() if isinstance(data, str) else data, max_depth):
+        raise ValueError(f"nested more than {max_depth} levels deep")
     try:
         return json.loads(data, parse_constant=_refuse_constant)
     except UnicodeDecodeError as e:
         raise ValueError(str(e)) from None
     except RecursionError:
         raise ValueError("nested too deeply") from None
+
+
+_JSON_STRING_RE = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKET_RE = re.compile(rb"[^\[\]{}]+")
+_EMPTY_PAIR_RE = re.compile(rb"\[\]|\{\}")
+
+
+def _nested_beyond(data: bytes, depth: int) -> bool:
+    """Whether the brackets outside strings nest deeper than ``depth``: each pass of the regular
+    expression (C, linear) removes the innermost pairs, one level, without recursion."""
+    brackets = _NOT_BRACKET_RE.sub(b"", _JSON_STRING_RE.sub(b"", data))
+    for _ in range(depth):
+        if not brackets:
+            return False
+        brackets = _EMPTY_PAIR_RE.sub(b"", brackets)
+    return bool(brackets)
 
 
 def _refuse_constant(name: str) -> Any:
@@ -361,8 +384,8 @@ def _check_layout(manifest: Manifest) -> None:
     paths = [f.path for f in manifest.files]
     if len(set(paths)) != len(paths):
         raise ManifestError("manifest lists a file twice")
-    folders = {"/".join(p.split("/")[:i]) for p in paths for i in range(1, p.count("/") + 1)}
-    clash = sorted(folders.intersection(paths))
+    listed = set(paths)
+    clash = sorted(folder for p in paths for folder in _folders(p) if folder in listed)
     if clash:
         raise ManifestError(f"manifest lists {clash[0]!r} both as a file and as a folder of other files")
     sharded = manifest.meta.get("sharded", False)
@@ -375,6 +398,15 @@ def _check_layout(manifest: Manifest) -> None:
             raise ManifestError(f"manifest does not list {STATE_FILE}, the state the job loads")
         return
     _check_sharded_layout(paths)
+
+
+def _folders(path: str) -> Iterator[str]:
+    """The folders ``path`` is in, one at a time (a set of them all would take memory in the square of
+    the paths' depth)."""
+    at = path.find("/")
+    while at != -1:
+        yield path[:at]
+        at = path.find("/", at + 1)
 
 
 def _check_sharded_layout(paths: list[str]) -> None:

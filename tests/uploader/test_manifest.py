@@ -166,3 +166,48 @@ def test_a_name_no_filesystem_can_hold_is_a_damaged_manifest(name: str, why: str
         Manifest.from_json(json.dumps(raw).encode())
     raw["files"][1]["path"] = "x" * 255
     assert Manifest.from_json(json.dumps(raw).encode()).files[1].path == "x" * 255
+
+
+@pytest.mark.parametrize("name", ["manifest.json", "manifest.json/x", "manifest.json/sub/x"])
+def test_no_file_may_take_the_manifests_place(name: str) -> None:
+    """A folder named manifest.json would make the download's commit fail as a bad local disk (exit 7, at
+    every start) instead of skipping a damaged checkpoint."""
+    raw = json.loads(doc(3))
+    raw["files"].append({**raw["files"][0], "path": name})
+    with pytest.raises(ManifestError, match="that is where the manifest goes"):
+        Manifest.from_json(json.dumps(raw).encode())
+
+
+def test_paths_are_at_most_32_folders_deep_and_clash_at_any_depth() -> None:
+    raw = json.loads(doc(3))
+    deep = "/".join("d" * 32)  # 32 parts: 31 folders and a file
+    raw["files"].append({**raw["files"][0], "path": deep})
+    assert Manifest.from_json(json.dumps(raw).encode()).files[1].path == deep
+    raw["files"].append({**raw["files"][0], "path": deep + "/e"})
+    with pytest.raises(ManifestError, match="more than 32 folders deep"):
+        Manifest.from_json(json.dumps(raw).encode())
+    raw["files"][2]["path"] = deep[:-2]  # a file, and the folder of the file ``deep``
+    with pytest.raises(ManifestError, match="both as a file and as a folder"):
+        Manifest.from_json(json.dumps(raw).encode())
+
+
+def nested_meta(depth: int) -> bytes:
+    """A manifest whose meta holds lists ``depth`` - 2 deep (the manifest and its meta are two levels),
+    around a string full of brackets that are not JSON's."""
+    lists = "[" * (depth - 2) + '"[[[ \\" {{ not brackets"' + "]" * (depth - 2)
+    return doc(3)[:-1] + f', "meta": {{"x": {lists}}}}}'.encode()
+
+
+def called_from_deep(frames: int, call: Any) -> Any:
+    return call() if frames == 0 else called_from_deep(frames - 1, call)
+
+
+def test_nesting_beyond_32_levels_is_refused_whatever_the_callers_stack() -> None:
+    """Where json gives up depends on the stack it is called from: a manifest nested 975 levels deep
+    parsed in the pull's thread and failed in the training thread (exit 6 once, then a skip)."""
+    assert Manifest.from_json(nested_meta(32)).meta["x"]
+    for depth in (33, 600, 975):
+        data = nested_meta(depth)
+        for frames in (0, 800):
+            with pytest.raises(ManifestError, match="nested more than 32 levels deep"):
+                called_from_deep(frames, lambda data=data: Manifest.from_json(data))
