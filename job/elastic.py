@@ -81,11 +81,11 @@ def resumed_plan(meta: dict[str, Any], cfg: TrainConfig, world: int, source: str
     """
     flags = replace(fresh_plan(cfg, world), source=source)
     old_world = _ranks_that_wrote(meta, flags.checkpoint)
-    try:
-        global_batch = int(meta["global_batch"] if "global_batch" in meta else int(meta["batch_size"]) * old_world)
-        micro = int(meta["micro_batch"] if "micro_batch" in meta
-                    else int(meta["batch_size"]) // int(meta["grad_accum"]))
-    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+    global_batch, micro = (_samples(meta, key, flags.checkpoint) for key in ("global_batch", "micro_batch"))
+    try:  # older checkpoints recorded their per-rank settings instead
+        global_batch = global_batch or int(meta["batch_size"]) * old_world
+        micro = micro or int(meta["batch_size"]) // int(meta["grad_accum"])
+    except (KeyError, TypeError, ValueError, ZeroDivisionError, OverflowError):
         return replace(flags, written_on=old_world)  # a checkpoint without these settings: the flags decide
     if global_batch < 1 or micro < 1:
         return replace(flags, written_on=old_world)
@@ -100,6 +100,15 @@ def resumed_plan(meta: dict[str, Any], cfg: TrainConfig, world: int, source: str
                        "%d x %d ranks would be %d", plan.global_batch, plan.per_rank, world, cfg.batch_size, world,
                        flags.global_batch)
     return plan
+
+
+def _samples(meta: dict[str, Any], key: str, checkpoint: str) -> int | None:
+    """A number of samples the manifest records (None when it does not): a whole number, at least 1."""
+    value = meta.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise CheckpointLoadError(f"{checkpoint} is damaged: its manifest records {key} {clip(repr(value), 40)}, "
+                                  f"not a number of samples; {ADVICE}")
+    return value
 
 
 def _ranks_that_wrote(meta: dict[str, Any], checkpoint: str) -> int:

@@ -277,14 +277,14 @@ def lstat_inside(folder: Path, relpath: str) -> os.stat_result:
 
 
 def strict_json(data: bytes | str, max_depth: int | None = None) -> Any:
-    """JSON from an untrusted file: no NaN or Infinity, and nesting too deep for the parser is a
+    """JSON from an untrusted file: no NaN or Infinity (nor a number that overflows to it), and nesting too deep for the parser is a
     ValueError like any other malformed document, never a RecursionError. Where the parser gives up
     depends on how deep the caller's stack is, so the same file could be good in one thread and bad in
     another; ``max_depth`` refuses nesting beyond a fixed depth first, the same everywhere."""
     if max_depth is not None and _nested_beyond(data.encode() if isinstance(data, str) else data, max_depth):
         raise ValueError(f"nested more than {max_depth} levels deep")
     try:
-        return json.loads(data, parse_constant=_refuse_constant)
+        return json.loads(data, parse_constant=_refuse_constant, parse_float=_finite_float)
     except UnicodeDecodeError as e:
         raise ValueError(str(e)) from None
     except RecursionError:
@@ -305,6 +305,14 @@ def _nested_beyond(data: bytes, depth: int) -> bool:
             return False
         brackets = _EMPTY_PAIR_RE.sub(b"", brackets)
     return bool(brackets)
+
+
+def _finite_float(text: str) -> float:
+    """JSON's 1e400 is Python's inf: as unusable as the Infinity that _refuse_constant refuses."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:40]} is beyond what a number can hold")
+    return value
 
 
 def _refuse_constant(name: str) -> Any:

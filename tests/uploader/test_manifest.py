@@ -211,3 +211,11 @@ def test_nesting_beyond_32_levels_is_refused_whatever_the_callers_stack() -> Non
         for frames in (0, 800):
             with pytest.raises(ManifestError, match="nested more than 32 levels deep"):
                 called_from_deep(frames, lambda data=data: Manifest.from_json(data))
+
+
+@pytest.mark.parametrize("number", [b"1e400", b"-1e400"])
+def test_a_number_beyond_a_float_is_damage_like_infinity(number: bytes) -> None:
+    """Python's json reads 1e400 as inf: a global batch of it once ended in OverflowError (exit 1)."""
+    with pytest.raises(ManifestError, match="is beyond what a number can hold"):
+        Manifest.from_json(doc(3)[:-1] + b', "meta": {"global_batch": ' + number + b"}}")
+    assert Manifest.from_json(doc(3)[:-1] + b', "meta": {"x": 1e300}}').meta["x"] == 1e300
