@@ -277,10 +277,11 @@ def lstat_inside(folder: Path, relpath: str) -> os.stat_result:
 
 
 def strict_json(data: bytes | str, max_depth: int | None = None) -> Any:
-    """JSON from an untrusted file: no NaN or Infinity (nor a number that overflows to it), and nesting too deep for the parser is a
-    ValueError like any other malformed document, never a RecursionError. Where the parser gives up
-    depends on how deep the caller's stack is, so the same file could be good in one thread and bad in
-    another; ``max_depth`` refuses nesting beyond a fixed depth first, the same everywhere."""
+    """JSON from an untrusted file: no NaN or Infinity (nor a number that overflows to it), and nesting
+    too deep for the parser is a ValueError like any other malformed document, never a RecursionError.
+    Where the parser gives up depends on how deep the caller's stack is, so the same file could be good
+    in one thread and bad in another; ``max_depth`` refuses nesting beyond a fixed depth first, the same
+    everywhere."""
     if max_depth is not None and _nested_beyond(data.encode() if isinstance(data, str) else data, max_depth):
         raise ValueError(f"nested more than {max_depth} levels deep")
     try:
