@@ -90,10 +90,7 @@ class RemoteStore:
             than = local[-1].step if local else -1
         if newest is None or newest[0] <= than:
             return None
-        pulled = pull_newest(self.remote, folder, abort=self._abort_pull, set_aside_corrupt=self._writes)
-        if pulled is None or pulled.step <= than:
-            return None
-        return pulled
+        return pull_newest(self.remote, folder, abort=self._abort_pull, set_aside_corrupt=self._writes, above=than)
 
     def complete_steps(self) -> list[int]:
         """Steps of the complete checkpoints under the remote prefix, oldest first (not verified)."""

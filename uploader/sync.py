@@ -208,15 +208,16 @@ def _read_manifest(ckpt: LocalCheckpoint) -> bytes:
 
 
 def pull_newest(remote: Remote, folder: Path, *, abort: threading.Event | None = None,
-                set_aside_corrupt: bool = True, step: int | None = None) -> LocalCheckpoint | None:
-    """Make the newest complete, verified remote checkpoint (of ``step``, when given) a committed local
-    one; None if there is none.
+                set_aside_corrupt: bool = True, step: int | None = None, above: int = -1) -> LocalCheckpoint | None:
+    """Make the newest complete, verified remote checkpoint (of ``step``, when given; newer than step
+    ``above``, when given) a committed local one; None if there is none. ``above``: the caller has a
+    good one of that step, so an older one is not worth a download (nor the disk it would take).
 
     If the same step already exists locally and verifies, nothing is downloaded. A remote checkpoint
     that fails verification is skipped, and set aside in the remote when ``set_aside_corrupt`` and the
     credentials allow it (module docstring).
     """
-    for ckpt in reversed([c for c in list_remote(remote) if c.complete and step in (None, c.step)]):
+    for ckpt in reversed([c for c in list_remote(remote) if c.complete and step in (None, c.step) and c.step > above]):
         raw = remote.read_bytes(manifest_key(ckpt.name), limit=MAX_MANIFEST_BYTES)
         manifest = _remote_manifest(remote, ckpt, raw)
         if manifest is None:

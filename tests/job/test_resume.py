@@ -3,14 +3,17 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 
 import pytest
 
 from job.exceptions import ConfigError
-from tests.support.checkpoints import checkpoints_of
+from job.storage import RemoteConfig
+from tests.support.checkpoints import checkpoints_of, corrupt_file
 from tests.support.elastic import TORCHRUN
 from tests.support.jobs import JobProcess, assert_states_equal, ckpt_config, job_env, train_state
 from uploader import local
+from uploader.config import UploadConfig
 
 BATCHES_PER_EPOCH = 48  # spirals: 3072 samples / 64
 
@@ -138,3 +141,24 @@ def test_a_rank_that_cannot_read_the_mapped_file_refuses_it_for_every_rank(tiny_
     assert "rank 1 cannot read" in ranks[1]["error"]
     assert "rank 1 cannot read" in ranks[0]["error"] and "(seen by another rank)" in ranks[0]["error"]
     assert checkpoints_of(folder) == before
+
+
+def test_a_corrupt_newer_remote_checkpoint_does_not_pull_an_older_one_than_the_local(tiny_config, tmp_path):
+    """The bucket's newest fails verification: the ones before it are only worth a download when newer than
+    the good local checkpoint. Once the pull walked down to the oldest, downloading one the job then did not
+    use, onto a disk that holds --keep checkpoints already (a disk too full for it was exit 7)."""
+    folder, bucket = tmp_path / "ckpts", tmp_path / "bucket"
+    remote = RemoteConfig(url=f"file://{bucket}", mode="inprocess", upload=UploadConfig(keep=4))
+    flags = tiny_config(max_duration="8ba"), ckpt_config(folder, interval="2ba", keep=4, async_save=False)
+    train_state(*flags, remote_cfg=remote)
+    steps = [c.step for c in local.list_committed(bucket)], [c.step for c in local.list_committed(folder)]
+    assert steps == ([2, 4, 6, 8], [2, 4, 6, 8])
+    for step in (2, 4, 8):  # this disk holds step 6 only; the bucket steps 2, 4 and a corrupt 8
+        shutil.rmtree(folder / local.checkpoint_name(step))
+    shutil.rmtree(bucket / local.checkpoint_name(6))
+    corrupt_file(bucket / local.checkpoint_name(8) / "state.pt")
+
+    resumed = train_state(*flags, remote_cfg=remote)
+
+    assert resumed.timer.batch.value == 8
+    assert [c.step for c in local.list_committed(folder)] == [6, 8]  # resumed step 6; neither 2 nor 4 pulled
