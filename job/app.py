@@ -17,7 +17,7 @@ import torch
 
 from job.build import build, refit_schedule
 from job import distributed, elastic
-from job.checkpoint import Checkpointer, claim_folder
+from job.checkpoint import Checkpointer, check_nodes_can_resume, claim_folder
 from job.curves import recording
 from job.config import CheckpointConfig, TrainConfig
 from job.exceptions import ConfigError
@@ -218,6 +218,8 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
     node_uploads = cfg.sharded and distributed.nodes() > 1 and distributed.node_leader()
     if leader or node_uploads:
         claim_folder(ckpt_cfg.folder)
+    if cfg.sharded:
+        check_nodes_can_resume(ckpt_cfg.folder, remote=remote_cfg is not None and bool(remote_cfg.url))
     store = (RemoteStore(remote_cfg, ckpt_cfg.folder)
              if (leader or node_uploads) and remote_cfg is not None and remote_cfg.url else None)
     # The newest remote checkpoint downloads while the model is built: a resume waits for the larger one.

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from job import dcp_storage, distributed, sharded
 from job.direct_file import DirectFile
-from job.exceptions import CheckpointLoadError, CheckpointWriteError
+from job.exceptions import CheckpointLoadError, CheckpointWriteError, ConfigError
 from job.logs import event
 from job.safe_load import first_line, load_weights_only
 from job.sharded import HostStaging
@@ -496,7 +496,10 @@ class _ShardedSave:
 
 def claim_folder(folder: Path) -> None:
     """Fail at start-up, not at the first save one interval later, when ``folder`` cannot be written;
-    and clear an older run's FINISHED marker (a job that starts is not finished: uploader.watch).
+    clear an older run's FINISHED marker (a job that starts is not finished: uploader.watch); and
+    remove what saves that died half-way left (uploader.local.clean_staging). Every process that writes
+    to the folder claims it before anything is written, so no save or pull of this start is under way:
+    on nodes with disks of their own, each node's leader, whose folder no other start-up looks at.
 
     Nothing is created here: a folder that does not exist yet is judged by the nearest one above it
     that does, and made by the first save or pull, so a run refused for a bad flag leaves no trace.
@@ -508,11 +511,33 @@ def claim_folder(folder: Path) -> None:
         if not os.access(existing, os.W_OK | os.X_OK):  # EROFS shows up here too
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
         local.clear_finished(folder)
+        local.clean_staging(folder)
     except OSError as e:
         raise CheckpointWriteError(
             f"cannot write checkpoints to {folder}: {e.strerror or e}; make it writable for this user "
             f"(uid {os.getuid()}) or choose another --save-folder (existing checkpoints are untouched)"
         ) from None
+
+
+def check_nodes_can_resume(folder: Path, remote: bool) -> None:
+    """A sharded run on several nodes whose folders are disks of their own keeps only each node's part
+    of a checkpoint on each disk; the parts meet in the bucket alone (README, "Multi-node without a
+    shared volume"). Without --remote nothing it saves could ever be resumed: refused at start-up, not
+    found out at the first restart. Every rank calls this (collectives); it looks as the saves do."""
+    if remote or distributed.nodes() == 1:
+        return
+    probe = folder / f"{local.STAGING_PREFIX}nodes-{distributed.broadcast_choice(uuid.uuid4().hex)}"
+    distributed.barrier()  # every node leader has claimed (cleaned) the folder: the probe stays until removed here
+    try:
+        own_disks = Checkpointer._staging_per_node(probe)
+    finally:
+        if distributed.node_leader():
+            shutil.rmtree(probe, ignore_errors=True)
+    if own_disks:
+        raise ConfigError(
+            f"--sharded on {distributed.nodes()} nodes whose --save-folder {folder} is a disk of each node's own "
+            "needs --remote: each node keeps only its part of a checkpoint, and a part alone is never resumed; "
+            "add --remote s3://bucket/prefix, or give every node one shared volume")
 
 
 def _yield_cpu_to_training() -> None:

@@ -53,7 +53,8 @@ def choose(cfg: CheckpointConfig, checkpointer: Checkpointer, store: RemoteStore
         pulled = store.pull_if_newer(cfg.folder) if store is not None else None
     if store is not None and pulled is not None:
         return _resume_from_pull(store, pulled)
-    committed = local.list_committed(cfg.folder)
+    # A node's part of a multi-node checkpoint is never resumed alone, nor a checkpoint that failed: not counted.
+    committed = [c for c in local.list_committed(cfg.folder) if not local.is_node_part(c)]
     found = checkpointer.newest()  # sets aside the newer ones that fail verification
     if store is not None and committed and (found is None or found[0].step < committed[-1].step):
         # The newest local checkpoint is corrupt (a pull torn by a power cut: pulls are not fsynced)

@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import shutil
 import stat
 import time
@@ -218,7 +219,10 @@ def clean_staging(folder: Path) -> None:
     for entry in sorted(folder.iterdir()):
         m = _OLD_RE.fullmatch(entry.name)
         if m and _is_real_dir(entry) and not os.path.lexists(folder / m.group(1)):
-            entry.rename(folder / m.group(1))
+            try:
+                entry.rename(folder / m.group(1))
+            except FileNotFoundError:  # another node's start-up put it back first (one shared volume)
+                continue
             fsync_path(folder)
             logger.warning("put back %s, moved aside by a re-save that did not finish", m.group(1))
     for entry in folder.iterdir():
@@ -281,8 +285,13 @@ class Finished:
 
 
 def mark_finished(folder: Path, step: int, reason: str = "completed") -> None:
-    """Tell a sidecar that the job has ended (completed, preempted or failed) and ``step`` is its last checkpoint."""
-    tmp = folder / f".{FINISHED_NAME}.tmp"
+    """Tell a sidecar that the job has ended (completed, preempted or failed) and ``step`` is its last checkpoint.
+
+    On one volume that several nodes share, every node's first process marks it at once, with the same
+    words: each writes a file of its own (a name of one shared by all was renamed away under the others:
+    exit 1 at the end of a finished run), and the last rename wins. A file left by a process killed in
+    between is staging, removed at the next start (clean_staging)."""
+    tmp = folder / f"{STAGING_PREFIX}{FINISHED_NAME}-{os.getpid()}-{secrets.token_hex(4)}"
     tmp.write_text(json.dumps({"step": step, "reason": reason}))
     os.replace(tmp, folder / FINISHED_NAME)
     fsync_path(folder)

@@ -7,6 +7,7 @@ Then one node of three ranks, on new disks, resumes from the bucket.
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import socket
 import sys
@@ -16,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from tests.support.faultproxy import FaultProxy
-from tests.support.jobs import JobProcess, events, inspect, s3_job_env
+from tests.support.jobs import JobProcess, events, inspect, job_env, s3_job_env
 from tests.support.polling import wait_until
 from tests.support.s3server import Bucket, fast_config
-from uploader.local import checkpoint_name, list_committed
+from uploader.local import checkpoint_name, is_node_part, list_committed
 from uploader.remote import open_remote
 from uploader.sync import list_remote, list_set_aside, pull_newest
 
@@ -37,11 +38,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def node(i: int, nodes: int, endpoint: str, run_id: str, folder: Path, remote: str, env: dict[str, str],
+def node(i: int, nodes: int, endpoint: str, run_id: str, folder: Path, remote: str | None, env: dict[str, str],
          mode: list[str], per_node: int = 1) -> JobProcess:
     argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--node-rank", str(i),
             "--nproc-per-node", str(per_node), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
-            "--rdzv-id", run_id, "-m", "job", "train", *ARGS, *mode, "--save-folder", str(folder), "--remote", remote]
+            "--rdzv-id", run_id, "-m", "job", "train", *ARGS, *mode, "--save-folder", str(folder),
+            *(["--remote", remote] if remote is not None else [])]
     return JobProcess(argv, env=env)
 
 
@@ -140,10 +142,10 @@ def test_a_node_killed_while_it_uploads_never_leaves_that_step_complete(
     assert [e["step"] for e in resumed] == [10]
 
 
-def two_nodes(folders: list[Path], remote: str, env: dict[str, str]) -> list[JobProcess]:
+def two_nodes(folders: list[Path], remote: str | None, env: dict[str, str], *flags: str) -> list[JobProcess]:
     """A sharded job on two nodes of one rank each, started now."""
     endpoint, run_id = f"127.0.0.1:{free_port()}", uuid.uuid4().hex[:8]
-    return [node(i, 2, endpoint, run_id, folders[i], remote, env, ["--sharded"]) for i in range(2)]
+    return [node(i, 2, endpoint, run_id, folders[i], remote, env, ["--sharded", *flags]) for i in range(2)]
 
 
 def finish(procs: list[JobProcess]) -> list[dict]:
@@ -224,3 +226,49 @@ def test_each_node_downloads_only_what_its_ranks_read_and_the_resume_is_bit_exac
         assert [name for name in list_set_aside(remote) if name.startswith(f"corrupt-{checkpoint_name(60)}-")]
     finally:
         remote.close()
+
+
+QUICK = ("--model", "mlp", "--max-duration", "20ba")  # the built-in model: these tests time nothing
+
+
+def test_nodes_back_on_their_own_disks_with_no_whole_checkpoint_in_the_bucket_start_again(tmp_path: Path) -> None:
+    """Each disk holds its node's parts of steps 10 and 20, and the bucket none (they never met there: the
+    uploads died with the nodes). A part alone is never resumed, so the run starts again from step 0. It
+    once exited 6 at every start ("none of the 2 checkpoint(s) verifies"), with advice (--resume never)
+    that the folder's parts then refused. A save that died half-way on node 1 left a staging folder, which
+    only rank 0's start-up used to remove: each node's first process now removes its own."""
+    folders, bucket = [tmp_path / "node0", tmp_path / "node1"], tmp_path / "bucket"
+    finish(two_nodes(folders, f"file://{bucket}", job_env(), *QUICK))
+    assert [[c.step for c in list_committed(f)] for f in folders] == [[10, 20], [10, 20]]
+    shutil.rmtree(bucket)
+    leftover = folders[1] / ".staging-step-000000000030-sharded-12345"
+    leftover.mkdir()
+    (leftover / "__1_0.distcp").write_bytes(bytes(1000))
+
+    done = finish(two_nodes(folders, f"file://{bucket}", job_env(), *QUICK[:2], "--max-duration", "30ba"))
+
+    assert not [e for e in done if e.get("event") == "resumed"]
+    assert [e["step"] for e in done if e.get("event") == "finished"] == [30, 30]
+    assert not leftover.exists()
+    assert [c.step for c in list_committed(bucket)] == [10, 20, 30]
+
+
+def test_nodes_with_their_own_disks_and_no_bucket_are_refused_at_start_up(tmp_path: Path) -> None:
+    """Nothing such a run saves could be resumed: exit 2 at once, not a discovery at the first restart.
+    On one volume that every node shares, rank 0 commits the whole checkpoint, and no bucket is needed."""
+    folders = [tmp_path / "node0", tmp_path / "node1"]
+    procs = two_nodes(folders, None, job_env(), *QUICK)
+    codes = [proc.wait(120) for proc in procs]
+    assert codes == [1, 1], procs[0].stderr[-3000:]  # torchrun's own; its worker's is 2
+    for proc, folder in zip(procs, folders, strict=True):
+        assert "exitcode  : 2" in proc.stderr
+        assert [line for line in proc.stderr.splitlines() if line.startswith("job: error")] == [
+            f"job: error: --sharded on 2 nodes whose --save-folder {folder} is a disk of each node's own "
+            "needs --remote: each node keeps only its part of a checkpoint, and a part alone is never resumed; "
+            "add --remote s3://bucket/prefix, or give every node one shared volume"]
+        assert not list(folder.iterdir())  # the probe is gone
+
+    shared = tmp_path / "shared"
+    done = finish(two_nodes([shared, shared], None, job_env(), *QUICK))
+    assert [e["step"] for e in done if e.get("event") == "finished"] == [20, 20]
+    assert [c.step for c in list_committed(shared)] == [10, 20] and not is_node_part(list_committed(shared)[-1])
