@@ -232,8 +232,8 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
     checkpointer: Checkpointer | None = None
     failed = False
     try:
-        if leader and ckpt_cfg.resume == "never":
-            check_new_run(ckpt_cfg, store)
+        if ckpt_cfg.resume == "never":
+            distributed.decided_by_first(lambda: check_new_run(ckpt_cfg, store), "start a new run")
         if store is not None:  # while the pull runs: read-only credentials fail before the model is built
             store.check_writable()
         # Uninitialised where a checkpoint will overwrite the weights, and always when sharded: then no device

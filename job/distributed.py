@@ -11,11 +11,16 @@ from __future__ import annotations
 
 import datetime
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+
+from job.exceptions import OtherRankError, exit_code_for
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -172,6 +177,26 @@ def broadcast_choice(obj: Any) -> Any:
     box = [obj if rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def decided_by_first(decide: Callable[[], T], what: str) -> T:
+    """``decide()`` on rank 0, its result on every rank. Where it fails, rank 0 raises its error and
+    every other rank an OtherRankError with rank 0's exit code: none is left to find out from a closed
+    connection at its next collective, which reads as a bug (exit 1, a traceback)."""
+    value: T | None = None
+    failed: Exception | None = None
+    if rank() == 0:
+        try:
+            value = decide()
+        except Exception as e:  # noqa: BLE001 - raised below, once every rank has heard of it
+            failed = e
+    why = None if failed is None else (f"{type(failed).__name__}: {failed}", exit_code_for(failed))
+    value, why = broadcast_choice((value, why))
+    if failed is not None:
+        raise failed
+    if why is not None:
+        raise OtherRankError(f"rank 0 could not {what} ({why[0]})", why[1])
+    return value  # type: ignore[return-value]  # T, which may itself be None
 
 
 def broadcast_tensors(tensors: list[torch.Tensor]) -> None:

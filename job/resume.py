@@ -168,20 +168,21 @@ def _load_chosen(state: State, cfg: CheckpointConfig, checkpointer: Checkpointer
                  ) -> tuple[Callable[[], Any], str, dict[str, Any], int, dict[str, int]] | None:
     """The checkpoint rank 0 chooses: how this rank reads its state dict (inside resume's agreement on
     errors: a rank that cannot read it refuses it for all), where it came from, its meta, step and timer."""
-    loaded: tuple[str, str, Manifest, Any, str] | None = None
-    if distributed.rank() == 0:
+    def decide() -> tuple[str, str, Manifest, Any, str] | None:
         chosen = choose(cfg, checkpointer, store, pulling)
-        if chosen is not None:
-            folder, manifest, source = chosen
-            check_settings(manifest, meta)
-            # Sharded run: every rank reads its part from the folder, resharded by DCP (job.sharded). A state.pt
-            # on one node: every rank maps it. Otherwise rank 0 reads the whole state (a sharded checkpoint
-            # reassembled) and broadcasts it: pickled, copied into each rank, twice the state in flight.
-            kind = ("sharded" if mesh is not None else
-                    "file" if distributed.nodes() == 1 and not manifest.meta.get("sharded") else "full")
-            identity = file_identity(folder / STATE_FILE) if kind == "file" else None
-            loaded = (kind, str(folder), manifest, identity, source)
-    loaded = distributed.broadcast_choice(loaded)
+        if chosen is None:
+            return None
+        folder, manifest, source = chosen
+        check_settings(manifest, meta)
+        # Sharded run: every rank reads its part from the folder, resharded by DCP (job.sharded). A state.pt
+        # on one node: every rank maps it. Otherwise rank 0 reads the whole state (a sharded checkpoint
+        # reassembled) and broadcasts it: pickled, copied into each rank, twice the state in flight.
+        kind = ("sharded" if mesh is not None else
+                "file" if distributed.nodes() == 1 and not manifest.meta.get("sharded") else "full")
+        identity = file_identity(folder / STATE_FILE) if kind == "file" else None
+        return kind, str(folder), manifest, identity, source
+
+    loaded = distributed.decided_by_first(decide, "choose the checkpoint to resume")
     if loaded is None:
         return None
     kind, where, manifest, identity, source = loaded

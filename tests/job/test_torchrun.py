@@ -8,9 +8,11 @@ import sys
 
 import pytest
 
+from tests.support.checkpoints import corrupt_file
 from tests.support.jobs import JobProcess, inspect, job_env
 from tests.support.polling import wait_until
 from tests.support.procs import worker_of_rank
+from uploader.local import list_committed
 from uploader.runlog import LEDGER_DIR
 
 pytestmark = pytest.mark.slow
@@ -112,3 +114,29 @@ def test_sharded_checkpoints_round_trip_through_the_bucket(spawn, tmp_path, s3_b
     info = inspect(folder)
     assert info["meta"]["sharded"] is True
     assert info["model_sha256"] == expected["model_sha256"]
+
+
+@pytest.mark.parametrize("resume, refusal, code", [
+    ("auto", "none of the 1 checkpoint(s) in {folder} verifies", 6),
+    ("never", "--resume never: {folder} already holds checkpoints of a run", 2),
+], ids=["nothing verifies", "a new run in a run's folder"])
+def test_when_rank_0_refuses_to_start_every_rank_says_why_with_its_exit_code(tmp_path, resume, refusal, code):
+    """Rank 0 alone decides where a run starts. Its refusal once reached rank 1 as a closed connection at
+    the next collective: exit 1, 'a bug', with a traceback."""
+    folder = tmp_path / "ck"
+    first = JobProcess(torchrun() + ["--max-duration", "10ba", "--model", "mlp", "--save-folder", str(folder)],
+                       env=job_env())
+    assert first.wait(180) == 0, first.stderr[-3000:]
+    if resume == "auto":
+        corrupt_file(list_committed(folder)[-1].path / "state.pt")
+
+    again = JobProcess(torchrun() + ["--model", "mlp", "--save-folder", str(folder), "--resume", resume],
+                       env=job_env())
+    again.wait(180)
+
+    errors = sorted(line for line in again.stderr.splitlines() if line.startswith("job: error:"))
+    said = refusal.format(folder=folder)
+    assert len(errors) == 2 and said in errors[0] and said in errors[1], again.stderr[-3000:]
+    assert "rank 0 could not " in errors[1] and f"(exitcode: {code})" in again.stderr
+    assert "unexpected error" not in again.stderr and "Connection closed" not in again.stderr  # torchrun's own
+    # traceback (ChildFailedError) follows, as for any failed worker
