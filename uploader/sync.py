@@ -40,7 +40,8 @@ N of one save (at least the last one to finish does: S3 lists what was written b
 that every file is there with its size and writes the whole checkpoint's ``manifest.json``, whose
 bytes depend on the parts alone, so two nodes committing at once write the same object. A node
 killed before its part's manifest, or during the commit, leaves the checkpoint incomplete, never
-used. The sidecars never talk to each other. Only node 0 applies retention, after the commit.
+used. The sidecars never talk to each other. Retention runs after every upload and deletes only
+once the checkpoint just uploaded is complete: the node whose part completes it applies it.
 
 Set aside: a complete remote checkpoint whose files fail verification on a pull (or whose manifest
 is invalid) is moved to ``corrupt-<name>-<time>/`` (copied, then the manifest and data deleted),
@@ -146,8 +147,7 @@ def push(ckpt: LocalCheckpoint, remote: Remote, keep: int, *, abort: threading.E
     """
     _check_keep(keep)
     _upload(ckpt, remote, abort)
-    if _retention_owner(ckpt):
-        _after_commit(remote, keep, ckpt.step)
+    _after_commit(remote, keep, ckpt.step)
 
 
 def push_all(folder: Path, remote: Remote, keep: int, *, abort: threading.Event | None = None) -> list[int]:
@@ -171,8 +171,7 @@ def push_all(folder: Path, remote: Remote, keep: int, *, abort: threading.Event 
                 set_aside_local(ckpt, e)
                 failed += 1
                 continue
-            if _retention_owner(ckpt):
-                anchor = ckpt.step if anchor is None else max(anchor, ckpt.step)
+            anchor = ckpt.step if anchor is None else max(anchor, ckpt.step)
         if anchor is not None or not failed:
             break
     if anchor is not None:
@@ -392,12 +391,6 @@ def _local_manifest(ckpt: LocalCheckpoint) -> tuple[bytes, Manifest]:
     return raw, manifest
 
 
-def _retention_owner(ckpt: LocalCheckpoint) -> bool:
-    """Only one actor deletes remote checkpoints: a single-node job's uploader, or node 0's."""
-    part = node_part(_local_manifest(ckpt)[1])
-    return part is None or part[0] == 0
-
-
 def _commit_parts(remote: Remote, name: str, mine: Manifest) -> bool:
     """Write the whole checkpoint's manifest once every node's part of this save is uploaded.
 
@@ -466,7 +459,10 @@ def _point_latest(remote: Remote, step: int) -> None:
 
 def _after_commit(remote: Remote, keep: int, newest: int) -> None:
     """Point ``latest`` at ``newest`` (the checkpoint just uploaded), then delete what retention lets
-    go, counting back from it (module docstring)."""
+    go, counting back from it (module docstring). Nothing while ``newest`` is not complete: a node's
+    part that others' parts have yet to join. The node whose upload completes it deletes, whichever that
+    is (two that commit at once delete the same keys); a node 0 that alone deleted never did while it
+    uploaded first, and the bucket grew without bound."""
     scan = _scan(remote)
     summaries = [_summarize(name, objects) for name, objects in scan.items()]
     complete = [c for c in summaries if c.complete and c.step <= newest and _counted(remote, c)]

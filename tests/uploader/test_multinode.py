@@ -1,7 +1,8 @@
 """Issue 18, points 2 and 5: a checkpoint written by several nodes, each with its own disk, is committed
 in the bucket only once every node's part is uploaded; no reader ever takes a partial one as complete,
-and only node 0 deletes. Each node is a separate local folder pushed by its own uploader, as a node's
-sidecar or in-process thread would, on a folder (file://) and on SeaweedFS.
+and the node whose part completes one deletes what it replaces. Each node is a separate local folder
+pushed by its own uploader, as a node's sidecar or in-process thread would, on a folder (file://) and
+on SeaweedFS.
 """
 from __future__ import annotations
 
@@ -126,22 +127,20 @@ def test_a_malformed_part_keeps_the_checkpoint_incomplete(remote: Remote, tmp_pa
     assert complete_steps(remote) == []
 
 
-def test_only_node_0_deletes_and_only_after_a_newer_checkpoint_is_complete(remote: Remote, tmp_path: Path) -> None:
-    for step in (10, 20):
-        for node in range(NODES):
-            push(part(tmp_path, node, step), remote, keep=1)
-    # Node 0 pushed 20 before node 1 completed it: 10 stayed until node 0's next look, then went.
-    assert complete_steps(remote) == [10, 20]
-    push(part(tmp_path, 0, 20), remote, keep=1)
+@pytest.mark.parametrize("first", [0, 1])
+def test_the_node_that_completes_a_checkpoint_deletes_what_it_replaces(remote: Remote, tmp_path: Path,
+                                                                        first: int) -> None:
+    """Node 0 alone deleted, and only when its own upload completed the checkpoint: a node 0 that was
+    always first never deleted anything, and the bucket grew without bound."""
+    order = (first, 1 - first)
+    for node in order:
+        push(part(tmp_path, node, 10), remote, keep=1)
+    push(part(tmp_path, order[0], 20), remote, keep=1)  # 20 incomplete: nothing deleted
+    assert complete_steps(remote) == [10]
+    push(part(tmp_path, 0, 30), remote, keep=1)  # node 0's part of 30, newer: kept, never counted
+    push(part(tmp_path, order[1], 20), remote, keep=1)  # completes 20: 10 goes
     assert complete_steps(remote) == [20]
-
-    push(part(tmp_path, 0, 30), remote, keep=1)  # node 0 first: 30 incomplete, nothing deleted
-    assert complete_steps(remote) == [20]
-    push(part(tmp_path, 1, 30), remote, keep=1)  # node 1 commits 30 but never deletes
-    assert complete_steps(remote) == [20, 30]
-    push(part(tmp_path, 0, 30), remote, keep=1)  # node 0's next look: now 20 may go
-    assert complete_steps(remote) == [30]
-    assert {c.step for c in list_remote(remote)} == {30}
+    assert {c.step for c in list_remote(remote)} == {20, 30}
 
 
 @pytest.mark.parametrize("newer", ["whole", "own-part"])
