@@ -189,6 +189,7 @@ def _stop_for_preemption(state: State, cadence: CheckpointCadence, store: Remote
               message="no time for a final checkpoint; exiting before the kill with the previous one")
     uploaded: bool | None = None  # null in the event: this job does not upload (no remote, sidecar, off)
     if store is not None and store.uploads and kept is not None:
+        cadence.checkpointer.announce(kept)
         uploaded = store.wait(_until_exit(stop))
         if not uploaded:
             logger.warning("the final checkpoint did not finish uploading within the grace period; it stays in "
@@ -299,6 +300,7 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
             return Outcome(state, preempted=True, writing=checkpointer.busy())
         cadence.save_durable(state)
         if store is not None:
+            checkpointer.announce(state.timer.batch.value)
             store.wait_final(state.timer.batch.value, ckpt_cfg.folder)
         distributed.barrier()
         if distributed.node_leader():  # on other nodes the folder is empty: their sidecars simply leave

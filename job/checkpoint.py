@@ -93,6 +93,7 @@ class Checkpointer:
         self._pending: _ShardedSave | None = None  # the sharded checkpoint in flight, on every rank alike
         self._writer: threading.Thread | None = None
         self.last_committed: int | None = None  # the step this process committed last (its writer may still run)
+        self.last_announced: int | None = None  # the step last handed to on_commit (the upload)
         self._deferred: Deferred | None = None  # the parameters and optimizer state the writer still copies
         self._reserving: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -221,6 +222,11 @@ class Checkpointer:
         save_id = distributed.broadcast_choice(uuid.uuid4().hex if rank == 0 else None)
         staging = self.folder / f"{local.STAGING_PREFIX}{local.checkpoint_name(step)}-sharded-{save_id}"
         own_disks = self._staging_per_node(staging)
+        # Nodes with disks of their own upload their parts of a checkpoint each; a step is in the bucket once
+        # every node has. Each node's uploader takes the newest checkpoint when it is free: nodes free at other
+        # times would upload other steps, and few would ever be whole. So they upload the same ones: a save goes
+        # up only when no node is still uploading; the one a run ends on always does (job.app: announce).
+        upload = not own_disks or not distributed.agree(bool(self.protect()))[0]
         tree = state.state_dict()
         files: dict[str, Any] = {sharded.rank_file(rank, world): {k: tree[k] for k in distributed.PER_RANK_KEYS
                                                                    if k in tree}}
@@ -244,7 +250,7 @@ class Checkpointer:
             if distributed.node_leader():
                 shutil.rmtree(staging, ignore_errors=True)
             raise
-        return _ShardedSave(step=step, save_id=save_id, staging=staging, own_disks=own_disks,
+        return _ShardedSave(step=step, save_id=save_id, staging=staging, own_disks=own_disks, upload=upload,
                             timer=dict(state.timer.state_dict()), files=files, dcp=planned, ready=ready)
 
     def _write_shards(self, save: _ShardedSave, background: bool) -> None:
@@ -337,7 +343,7 @@ class Checkpointer:
                 meta.update(node=distributed.node(), nodes=distributed.nodes(), save_id=save.save_id)
             manifest = Manifest(step=save.step, files=tuple(sorted(entries, key=lambda f: f.path)), timer=save.timer,
                                 meta=meta)
-            save.committed = self._commit(save.staging, manifest, time.perf_counter() - spent)
+            save.committed = self._commit(save.staging, manifest, time.perf_counter() - spent, announce=save.upload)
         except OSError as e:
             save.error = f"rank {distributed.rank()}: {e.strerror or e}"
         except Exception as e:  # noqa: BLE001 - gathered like a write's failure
@@ -442,8 +448,21 @@ class Checkpointer:
                 "permissions (the previous checkpoint is untouched)"
             ) from None
 
-    def _commit(self, staging: Path, manifest: Manifest, started: float) -> local.LocalCheckpoint:
-        """Manifest last, rename, prune, report: the checkpoint counts from here on."""
+    def announce(self, step: int) -> None:
+        """Hand the committed checkpoint of ``step`` to ``on_commit`` (the upload) if its commit did not (a
+        save taken while a node was still uploading, job.checkpoint._begin_sharded): the one a run ends on
+        always goes up."""
+        if self.on_commit is None or self.last_announced == step:
+            return
+        for ckpt in local.list_committed(self.folder):
+            if ckpt.step == step:
+                self.on_commit(ckpt)
+                self.last_announced = step
+
+    def _commit(self, staging: Path, manifest: Manifest, started: float,
+                announce: bool = True) -> local.LocalCheckpoint:
+        """Manifest last, rename, prune, report (to ``on_commit`` too, when ``announce``: the upload): the
+        checkpoint counts from here on."""
         ckpt = local.commit(staging, manifest)
         self.last_committed = manifest.step
         with self._retention:
@@ -460,8 +479,11 @@ class Checkpointer:
         stall = time.perf_counter() - since if since is not None else self.last_stall_seconds
         event(logger, "checkpoint", step=manifest.step, path=str(ckpt.path), bytes=manifest.total_size,
               seconds=round(self.last_write_seconds, 3), stall=None if stall is None else round(stall, 3))
-        if self.on_commit is not None:
+        if self.on_commit is not None and announce:
             self.on_commit(ckpt)
+            self.last_announced = manifest.step
+        elif self.on_commit is not None:
+            logger.debug("%s stays local: a node was still uploading when it was taken", ckpt.name)
         return ckpt
 
     def newest(self) -> tuple[local.LocalCheckpoint, Manifest] | None:
@@ -481,6 +503,7 @@ class _ShardedSave:
     save_id: str
     staging: Path
     own_disks: bool  # each node commits its own part (Checkpointer._staging_per_node)
+    upload: bool  # handed to on_commit: on own disks, only saves every node's uploader was free for
     timer: dict[str, int]
     files: dict[str, Any]  # this rank's plain torch files by name: its own state; on rank 0 the replicated state
     dcp: dcp_storage.PlannedSave

@@ -272,3 +272,26 @@ def test_nodes_with_their_own_disks_and_no_bucket_are_refused_at_start_up(tmp_pa
     done = finish(two_nodes([shared, shared], None, job_env(), *QUICK))
     assert [e["step"] for e in done if e.get("event") == "finished"] == [20, 20]
     assert [c.step for c in list_committed(shared)] == [10, 20] and not is_node_part(list_committed(shared)[-1])
+
+
+def test_nodes_upload_the_same_steps_when_one_uploads_slower_than_they_save(
+    tmp_path: Path, s3_bucket: Bucket, fault_proxy: FaultProxy
+) -> None:
+    """Node 1's link takes longer per part than the run takes between saves. Each node's uploader took the
+    newest checkpoint whenever it was free, at other times on each node: node 0 uploaded all 120 saves,
+    node 1 a few, and only steps both happened to pick were ever whole in the bucket. Now a save goes up
+    only when no node is still uploading, so both upload the same steps, each of them whole, and the last
+    one always."""
+    env = s3_job_env(s3_bucket)
+    fault_proxy.delay(0.1)  # per request: node 1's part of a step takes a second or more
+    envs = (env, {**env, "JOB_ENDPOINT_URL": fault_proxy.endpoint_url})
+    endpoint, run_id = f"127.0.0.1:{free_port()}", uuid.uuid4().hex[:8]
+    procs = [node(i, 2, endpoint, run_id, tmp_path / f"node{i}", s3_bucket.url("run"), envs[i],
+                  ["--sharded", "--model", "mlp", "--max-duration", "240ba", "--save-interval", "2ba", "--keep", "100",
+                   "--log-interval", "40"]) for i in range(2)]
+    finish(procs)
+    uploaded = [[e["step"] for e in events(p.stderr) if e.get("event") == "uploaded"] for p in procs]
+    saved = [e["step"] for e in events(procs[0].stderr) if e.get("event") == "checkpoint"]
+    assert uploaded[0] == uploaded[1] and uploaded[0][-1] == 240, uploaded
+    assert len(uploaded[0]) < len(saved) / 2  # node 1's link did hold the uploads back
+    assert complete(s3_bucket) == uploaded[0]
