@@ -131,6 +131,17 @@ def newest_complete(remote: Remote, below: int | None = None) -> tuple[int, Mani
     return None
 
 
+def steps_other_nodes_started(remote: Remote) -> set[int]:
+    """Steps whose checkpoint is not complete but holds some node's part: uploading this node's part of
+    one of those completes it, or brings it closer (uploader.watch)."""
+    started = set()
+    for name, objects in _scan(remote).items():
+        summary = _summarize(name, objects)
+        if not summary.complete and any(parse_node_key(name, o.key) is not None for o in objects):
+            started.add(summary.step)
+    return started
+
+
 def list_set_aside(remote: Remote) -> list[str]:
     """Names of the remote checkpoints set aside after failing verification (``corrupt-step-...``)."""
     return sorted({o.key.partition("/")[0] for o in remote.list(CORRUPT_PREFIX)})

@@ -32,12 +32,12 @@ from pathlib import Path
 
 from uploader.config import UploadConfig
 from uploader.exceptions import Aborted, LocalCheckpointError, TransientStorageError
-from uploader.local import LocalCheckpoint, finished_marker, list_committed
+from uploader.local import LocalCheckpoint, finished_marker, is_node_part, list_committed
 from uploader.manifest import MANIFEST_NAME
 from uploader.probe import check_writable
 from uploader.remote import Remote
 from uploader.runlog import RunlogMirror
-from uploader.sync import push, set_aside_local
+from uploader.sync import push, set_aside_local, steps_other_nodes_started
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ def _loop(
         if stop.is_set() and not announced_stop:
             announced_stop = True
             logger.info("stop requested: uploading what is committed (at most %.0f s more)", grace)
-        pending = _pending(folder, uploaded, given_up)
+        pending = _pending(folder, uploaded, given_up, remote)
         if pending is not None:
             ckpt, identity = pending
             try:
@@ -136,13 +136,20 @@ def _loop(
 
 
 def _pending(
-    folder: Path, uploaded: tuple[int, int, int] | None, given_up: set[tuple[int, int, int]]
+    folder: Path, uploaded: tuple[int, int, int] | None, given_up: set[tuple[int, int, int]], remote: Remote
 ) -> tuple[LocalCheckpoint, tuple[int, int, int]] | None:
     """The newest committed checkpoint if it still needs uploading, with its identity.
 
     The identity includes the manifest's inode and mtime so that a re-save of the same step
     (after a resume) counts as new.
+
+    A node's part of a multi-node checkpoint is whole only once every node has uploaded its part of that
+    step, and the sidecars never talk to each other: where another node has uploaded a newer step than
+    this one did, and this node has it too, that one goes up instead of the newest, so that a node whose
+    link is slower than the saves completes a checkpoint with each upload (the job's own uploads agree
+    on the steps instead, job.checkpoint). Once the job has ended, its last checkpoint goes first.
     """
+    waiting = []
     for ckpt in reversed(list_committed(folder)):
         try:
             st = (ckpt.path / MANIFEST_NAME).stat()
@@ -152,6 +159,9 @@ def _pending(
         if identity in given_up:
             continue
         if identity == uploaded or (uploaded is not None and ckpt.step < uploaded[0]):
-            return None
-        return ckpt, identity
-    return None
+            break
+        waiting.append((ckpt, identity))
+    if len(waiting) > 1 and is_node_part(waiting[0][0]) and finished_marker(folder) is None:  # the last goes first
+        started = steps_other_nodes_started(remote)
+        return next((c for c in waiting if c[0].step in started), waiting[0])
+    return waiting[0] if waiting else None

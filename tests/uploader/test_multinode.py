@@ -15,11 +15,12 @@ import pytest
 from tests.support.checkpoints import complete_steps, data_files_of, make_checkpoint, objects_of
 from tests.support.recording import RecordingRemote
 from uploader.layout import LATEST_KEY, manifest_key, node_key
-from uploader.local import LocalCheckpoint, checkpoint_name
+from uploader.local import LocalCheckpoint, checkpoint_name, mark_finished
 from uploader.exceptions import CorruptCheckpoint, ManifestError, UnsupportedFormat
 from uploader.manifest import Manifest
 from uploader.remote import Remote
 from uploader.sync import list_remote, list_set_aside, pull_files, pull_newest, push, set_aside_if_unchanged
+from uploader.watch import _pending
 
 NODES = 2
 # Node 0 holds the replicated state, node 1 only its ranks' files (as a sharded save spreads them).
@@ -207,3 +208,25 @@ def test_set_aside_moves_the_failed_checkpoint_unless_it_was_saved_again(remote:
     set_aside_if_unchanged(remote, whole, "rank-1.bin fails its sha256 check")
     assert complete_steps(remote) == []
     assert [name for name in list_set_aside(remote) if name.startswith(f"corrupt-{checkpoint_name(10)}-")]
+
+
+def test_a_sidecar_uploads_the_newest_step_another_node_has_started_before_its_newest(
+    remote: Remote, tmp_path: Path
+) -> None:
+    """Sidecars never talk to each other: each uploaded its node's newest part when free, and nodes free
+    at other times completed few checkpoints. A sidecar now prefers the newest step another node has
+    uploaded its part of, when it has that step too; with none such, or once the job has ended, its newest."""
+    mine = [part(tmp_path, 1, step) for step in (10, 20, 30, 40)]
+    push(part(tmp_path, 0, 10), remote, keep=5)
+    assert _pending(tmp_path / "node1", None, set(), remote)[0] == mine[0]  # 10: node 0 is waiting for it
+    push(mine[0], remote, keep=5)
+    push(part(tmp_path, 0, 30), remote, keep=5)
+    push(part(tmp_path, 0, 50), remote, keep=5)  # a step node 1 does not hold
+    uploaded = (10, 0, 0)
+    assert _pending(tmp_path / "node1", uploaded, set(), remote)[0] == mine[2]  # 30, not 40
+    mark_finished(tmp_path / "node1", 40)
+    assert _pending(tmp_path / "node1", uploaded, set(), remote)[0] == mine[3]  # the last goes first
+    (tmp_path / "node1" / "FINISHED").unlink()
+    push(mine[2], remote, keep=5)
+    assert complete_steps(remote) == [10, 30]
+    assert _pending(tmp_path / "node1", (30, 0, 0), set(), remote)[0] == mine[3]  # nothing newer started
