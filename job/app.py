@@ -276,8 +276,11 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
                 checkpoint_now = spot_handler.poll(state) or checkpoint_now
             # One collective per step under torchrun: any rank's signal or due checkpoint counts for all.
             checkpoint_now, stopping = distributed.agree(checkpoint_now, stop.should_stop(state))
-            if stopping and not stop.requested:
-                stop.request("another rank is stopping")
+            if stopping:  # at this step on every rank, once: the ledger and the events learn why
+                why = next((r for r in distributed.all_gather(stop.reason) if r is not None), "another rank")
+                if not stop.requested:
+                    stop.request(f"{why} (on another rank)")
+                    event(logger, "stop_requested", reason=stop.reason, grace_seconds=stop.grace_period)
             if checkpoint_now:
                 cadence.take(state)
             else:  # a sharded checkpoint in flight completes once every rank has written its part

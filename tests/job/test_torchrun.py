@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from tests.support.checkpoints import corrupt_file
-from tests.support.jobs import JobProcess, inspect, job_env
+from tests.support.jobs import JobProcess, events, inspect, job_env
 from tests.support.polling import wait_until
 from tests.support.procs import worker_of_rank
 from uploader.local import list_committed
@@ -140,3 +140,21 @@ def test_when_rank_0_refuses_to_start_every_rank_says_why_with_its_exit_code(tmp
     assert "rank 0 could not " in errors[1] and f"(exitcode: {code})" in again.stderr
     assert "unexpected error" not in again.stderr and "Connection closed" not in again.stderr  # torchrun's own
     # traceback (ChildFailedError) follows, as for any failed worker
+
+
+def test_a_signal_that_reaches_one_rank_is_what_every_rank_stops_for(spawn, tmp_path):
+    """A spot reclaim signals one node's processes only. The others stopped for "another rank is stopping",
+    and rank 0's ledger, hearing of no stop, counted the final save as productive time (final_save_s null).
+    Rank 0 alone logs at info (its events are the run's)."""
+    folder = tmp_path / "ck"
+    proc = spawn(argv=torchrun() + ["--save-folder", str(folder)], env=job_env())
+    proc.wait_event("progress", lambda e: e["step"] >= 15)
+    wait_until(lambda: worker_of_rank(proc.proc.pid, 1) is not None, what="rank 1's process")
+    os.kill(worker_of_rank(proc.proc.pid, 1), signal.SIGTERM)  # rank 1 alone
+    proc.wait(timeout=120)
+    assert "(exitcode: 75)" in proc.stderr, proc.stderr[-3000:]  # torchrun's own is 1
+    stops = [(e["event"], e["reason"]) for e in events(proc.stderr)
+             if e.get("event") in ("stop_requested", "preempted")]
+    assert stops == [("stop_requested", "SIGTERM (on another rank)"), ("preempted", "SIGTERM (on another rank)")]
+    (life,) = [json.loads(p.read_text()) for p in (folder / LEDGER_DIR).glob("*.json")]
+    assert life["end"]["reason"] == "SIGTERM (on another rank)" and life["end"]["final_save_s"] is not None
