@@ -167,8 +167,9 @@ def _stop_for_preemption(state: State, cadence: CheckpointCadence, store: Remote
     """Within the grace period: a final checkpoint, its upload, and a clear account of what was kept."""
     step = state.timer.batch.value
     needed = cadence.estimate_seconds(state) * 1.5 + EXIT_MARGIN_SECONDS
-    # Rank 0's clock decides for all ranks: the save is a collective.
-    if distributed.broadcast_choice(not cadence.saved_now(state) and stop.time_left() < needed):
+    # The save is a collective: rank 0's estimate of it against the time of the rank that has the least left.
+    left = min(distributed.all_gather(stop.time_left()))
+    if distributed.broadcast_choice(not cadence.saved_now(state) and left < needed):
         cadence.checkpointer.wait(_until_exit(stop))
         durable = False
     elif cadence.saved_now(state):  # this step's checkpoint is taken already: it has only to finish, in time
@@ -180,7 +181,7 @@ def _stop_for_preemption(state: State, cadence: CheckpointCadence, store: Remote
     cadence.checkpointer.freeze_retention()
     writing = cadence.writing_step()  # before kept: a write that commits in between is named by one of the two
     kept = cadence.kept_step()
-    if distributed.rank() == 0 and kept is not None and not cadence.checkpointer.committed(kept):
+    if distributed.node_leader() and kept is not None and not cadence.checkpointer.committed(kept):
         # The write in flight committed, and pruned the one before it, just before the freeze.
         kept = cadence.last_step
     if not durable:
