@@ -92,9 +92,9 @@ def safe_relpath(name: str) -> str:
     if max(map(len, encoded.split(b"/"))) > MAX_NAME_BYTES:  # damage, not a full disk (ENAMETOOLONG)
         raise ManifestError(f"file name in manifest has a part longer than {MAX_NAME_BYTES} bytes, "
                             "which no Linux filesystem can hold")
-    if len(p.parts) > MAX_DEPTH:  # the layout check looks at every folder of every path
+    if name.count("/") >= MAX_DEPTH:  # the layout check looks at every folder of every path
         raise ManifestError(f"file name in manifest is more than {MAX_DEPTH} folders deep")
-    if p.parts[0] == MANIFEST_NAME:  # itself, or a folder where the manifest must go
+    if name.partition("/")[0] == MANIFEST_NAME:  # itself, or a folder where the manifest must go
         raise ManifestError(f"a manifest cannot list {name!r}: that is where the manifest goes")
     return name
 
@@ -293,14 +293,17 @@ def strict_json(data: bytes | str, max_depth: int | None = None) -> Any:
 
 
 _JSON_STRING_RE = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
-_NOT_BRACKET_RE = re.compile(rb"[^\[\]{}]+")
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _EMPTY_PAIR_RE = re.compile(rb"\[\]|\{\}")
 
 
 def _nested_beyond(data: bytes, depth: int) -> bool:
     """Whether the brackets outside strings nest deeper than ``depth``: each pass of the regular
-    expression (C, linear) removes the innermost pairs, one level, without recursion."""
-    brackets = _NOT_BRACKET_RE.sub(b"", _JSON_STRING_RE.sub(b"", data))
+    expression (C, linear) removes the innermost pairs, one level, without recursion. Without a
+    backslash no string holds a quote, so the text outside strings is every other piece between quotes
+    (a tenth of a 10,000-file manifest's parse, against a third with the regular expression)."""
+    outside = b"".join(data.split(b'"')[0::2]) if b"\\" not in data else _JSON_STRING_RE.sub(b"", data)
+    brackets = outside.translate(None, _NOT_BRACKETS)
     for _ in range(depth):
         if not brackets:
             return False

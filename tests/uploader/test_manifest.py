@@ -191,10 +191,10 @@ def test_paths_are_at_most_32_folders_deep_and_clash_at_any_depth() -> None:
         Manifest.from_json(json.dumps(raw).encode())
 
 
-def nested_meta(depth: int) -> bytes:
+def nested_meta(depth: int, inner: str = '"[[[ \\" {{ not brackets"') -> bytes:
     """A manifest whose meta holds lists ``depth`` - 2 deep (the manifest and its meta are two levels),
     around a string full of brackets that are not JSON's."""
-    lists = "[" * (depth - 2) + '"[[[ \\" {{ not brackets"' + "]" * (depth - 2)
+    lists = "[" * (depth - 2) + inner + "]" * (depth - 2)
     return doc(3)[:-1] + f', "meta": {{"x": {lists}}}}}'.encode()
 
 
@@ -202,12 +202,14 @@ def called_from_deep(frames: int, call: Any) -> Any:
     return call() if frames == 0 else called_from_deep(frames - 1, call)
 
 
-def test_nesting_beyond_32_levels_is_refused_whatever_the_callers_stack() -> None:
+@pytest.mark.parametrize("inner", ['"[[[ \\" {{ not brackets"', '"[[[[ {{ no escapes"', '"\\\\"'],
+                         ids=["an escaped quote", "no backslash", "a backslash at the end"])
+def test_nesting_beyond_32_levels_is_refused_whatever_the_callers_stack(inner: str) -> None:
     """Where json gives up depends on the stack it is called from: a manifest nested 975 levels deep
     parsed in the pull's thread and failed in the training thread (exit 6 once, then a skip)."""
-    assert Manifest.from_json(nested_meta(32)).meta["x"]
+    assert Manifest.from_json(nested_meta(32, inner)).meta["x"]
     for depth in (33, 600, 975):
-        data = nested_meta(depth)
+        data = nested_meta(depth, inner)
         for frames in (0, 800):
             with pytest.raises(ManifestError, match="nested more than 32 levels deep"):
                 called_from_deep(frames, lambda data=data: Manifest.from_json(data))
