@@ -93,7 +93,7 @@ def safe_relpath(name: str) -> str:
         raise ManifestError(f"file name in manifest has a part longer than {MAX_NAME_BYTES} bytes, "
                             "which no Linux filesystem can hold")
     if name.count("/") >= MAX_DEPTH:  # the layout check looks at every folder of every path
-        raise ManifestError(f"file name in manifest is more than {MAX_DEPTH} folders deep")
+        raise ManifestError(f"file name in manifest has more than {MAX_DEPTH} parts (its folders and itself)")
     if name.partition("/")[0] == MANIFEST_NAME:  # itself, or a folder where the manifest must go
         raise ManifestError(f"a manifest cannot list {name!r}: that is where the manifest goes")
     return name
@@ -282,9 +282,11 @@ def strict_json(data: bytes | str, max_depth: int | None = None) -> Any:
     Where the parser gives up depends on how deep the caller's stack is, so the same file could be good
     in one thread and bad in another; ``max_depth`` refuses nesting beyond a fixed depth first, the same
     everywhere."""
-    if max_depth is not None and _nested_beyond(data.encode() if isinstance(data, str) else data, max_depth):
-        raise ValueError(f"nested more than {max_depth} levels deep")
     try:
+        if max_depth is not None:  # UTF-8 only (json.loads would take UTF-16 too, whose bytes hide brackets)
+            data = data.decode("utf-8") if isinstance(data, bytes) else data
+            if _nested_beyond(data.encode("utf-8", "surrogatepass"), max_depth):
+                raise ValueError(f"nested more than {max_depth} levels deep")
         return json.loads(data, parse_constant=_refuse_constant, parse_float=_finite_float)
     except UnicodeDecodeError as e:
         raise ValueError(str(e)) from None
@@ -292,7 +294,9 @@ def strict_json(data: bytes | str, max_depth: int | None = None) -> Any:
         raise ValueError("nested too deeply") from None
 
 
-_JSON_STRING_RE = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+# Possessive, and a string left open runs to the end: no backtracking, linear in the worst case (a
+# backtracking one took seconds for 32 KB of '"' and '\\"' pairs, hours for 8 MB).
+_JSON_STRING_RE = re.compile(rb'"[^"\\]*+(?:\\.[^"\\]*+)*+"?', re.DOTALL)
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _EMPTY_PAIR_RE = re.compile(rb"\[\]|\{\}")
 

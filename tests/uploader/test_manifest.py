@@ -178,13 +178,13 @@ def test_no_file_may_take_the_manifests_place(name: str) -> None:
         Manifest.from_json(json.dumps(raw).encode())
 
 
-def test_paths_are_at_most_32_folders_deep_and_clash_at_any_depth() -> None:
+def test_paths_have_at_most_32_parts_and_clash_at_any_depth() -> None:
     raw = json.loads(doc(3))
     deep = "/".join("d" * 32)  # 32 parts: 31 folders and a file
     raw["files"].append({**raw["files"][0], "path": deep})
     assert Manifest.from_json(json.dumps(raw).encode()).files[1].path == deep
     raw["files"].append({**raw["files"][0], "path": deep + "/e"})
-    with pytest.raises(ManifestError, match="more than 32 folders deep"):
+    with pytest.raises(ManifestError, match=r"more than 32 parts \(its folders and itself\)"):
         Manifest.from_json(json.dumps(raw).encode())
     raw["files"][2]["path"] = deep[:-2]  # a file, and the folder of the file ``deep``
     with pytest.raises(ManifestError, match="both as a file and as a folder"):
@@ -221,3 +221,20 @@ def test_a_number_beyond_a_float_is_damage_like_infinity(number: bytes) -> None:
     with pytest.raises(ManifestError, match="is beyond what a number can hold"):
         Manifest.from_json(doc(3)[:-1] + b', "meta": {"global_batch": ' + number + b"}}")
     assert Manifest.from_json(doc(3)[:-1] + b', "meta": {"x": 1e300}}').meta["x"] == 1e300
+
+
+@pytest.mark.parametrize("data", [b'"' + b'\\"' * 400_000, b'{"a": "' + b'\\' * 800_000, b'["\\"' * 200_000],
+                         ids=["an open string of escaped quotes", "an open string of backslashes", "open strings"])
+def test_the_nesting_check_takes_linear_time_on_strings_that_never_close(data: bytes) -> None:
+    """The check's regular expression backtracked over an open string from every quote: 32 KB of them took
+    4 s, the 8 MB a manifest may have would take hours. Refused here at once (the suite's timeout is the
+    bound: no wall clock is asserted)."""
+    with pytest.raises(ManifestError, match="not valid JSON"):
+        Manifest.from_json(data)
+
+
+def test_a_manifest_is_utf_8() -> None:
+    """json.loads takes UTF-16 too, whose bytes can hold '[' and '"' inside a character: the nesting check
+    reads UTF-8."""
+    with pytest.raises(ManifestError, match="not valid JSON"):
+        Manifest.from_json(doc(3).decode().encode("utf-16"))
