@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from uploader.config import UploadConfig
-from uploader.exceptions import Aborted, LocalCheckpointError, TransientStorageError
+from uploader.exceptions import Aborted, LocalCheckpointError, StorageError, TransientStorageError
 from uploader.local import LocalCheckpoint, finished_marker, is_node_part, list_committed
 from uploader.manifest import MANIFEST_NAME
 from uploader.probe import check_writable
@@ -162,6 +162,10 @@ def _pending(
             break
         waiting.append((ckpt, identity))
     if len(waiting) > 1 and is_node_part(waiting[0][0]) and finished_marker(folder) is None:  # the last goes first
-        started = steps_other_nodes_started(remote)
+        try:
+            started = steps_other_nodes_started(remote)
+        except StorageError as e:  # a preference only: the push that follows retries, or ends the watch
+            logger.info("cannot see which steps other nodes have started (%s); uploading the newest", e)
+            return waiting[0]
         return next((c for c in waiting if c[0].step in started), waiting[0])
     return waiting[0] if waiting else None

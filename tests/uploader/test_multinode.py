@@ -16,7 +16,7 @@ from tests.support.checkpoints import complete_steps, data_files_of, make_checkp
 from tests.support.recording import RecordingRemote
 from uploader.layout import LATEST_KEY, manifest_key, node_key
 from uploader.local import LocalCheckpoint, checkpoint_name, mark_finished
-from uploader.exceptions import CorruptCheckpoint, ManifestError, UnsupportedFormat
+from uploader.exceptions import CorruptCheckpoint, ManifestError, TransientStorageError, UnsupportedFormat
 from uploader.manifest import Manifest
 from uploader.remote import Remote
 from uploader.sync import list_remote, list_set_aside, pull_files, pull_newest, push, set_aside_if_unchanged
@@ -230,3 +230,17 @@ def test_a_sidecar_uploads_the_newest_step_another_node_has_started_before_its_n
     push(mine[2], remote, keep=5)
     assert complete_steps(remote) == [10, 30]
     assert _pending(tmp_path / "node1", (30, 0, 0), set(), remote)[0] == mine[3]  # nothing newer started
+
+
+
+class ListingFails(RecordingRemote):
+    """A bucket whose listing answers 503 (after the retries)."""
+
+    def list(self, prefix: str = "") -> list:
+        raise TransientStorageError("LIST: 503 SlowDown after 5 tries")
+
+
+def test_a_sidecar_that_cannot_list_the_bucket_uploads_its_newest(remote: Remote, tmp_path: Path) -> None:
+    """Which steps other nodes started is a preference: a listing that fails ended the watch."""
+    mine = [part(tmp_path, 1, step) for step in (10, 20)]
+    assert _pending(tmp_path / "node1", None, set(), ListingFails(remote))[0] == mine[1]
