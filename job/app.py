@@ -181,7 +181,8 @@ def _stop_for_preemption(state: State, cadence: CheckpointCadence, store: Remote
     cadence.checkpointer.freeze_retention()
     writing = cadence.writing_step()  # before kept: a write that commits in between is named by one of the two
     kept = cadence.kept_step()
-    if distributed.node_leader() and kept is not None and not cadence.checkpointer.committed(kept):
+    committed_here = cadence.checkpointer.last_committed is not None  # not a node whose folder stays empty (DDP)
+    if committed_here and kept is not None and not cadence.checkpointer.committed(kept):
         # The write in flight committed, and pruned the one before it, just before the freeze.
         kept = cadence.last_step
     if not durable:
@@ -221,7 +222,8 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
     if leader or node_uploads:
         claim_folder(ckpt_cfg.folder)
     if cfg.sharded:
-        check_nodes_can_resume(ckpt_cfg.folder, remote=remote_cfg is not None and bool(remote_cfg.url))
+        uploads = remote_cfg is not None and bool(remote_cfg.url) and remote_cfg.mode != "off"
+        check_nodes_can_resume(ckpt_cfg.folder, uploads)
     store = (RemoteStore(remote_cfg, ckpt_cfg.folder)
              if (leader or node_uploads) and remote_cfg is not None and remote_cfg.url else None)
     # The newest remote checkpoint downloads while the model is built: a resume waits for the larger one.

@@ -93,7 +93,7 @@ class Checkpointer:
         self._pending: _ShardedSave | None = None  # the sharded checkpoint in flight, on every rank alike
         self._writer: threading.Thread | None = None
         self.last_committed: int | None = None  # the step this process committed last (its writer may still run)
-        self.last_announced: int | None = None  # the step last handed to on_commit (the upload)
+        self._held_back: set[int] = set()  # the step committed here last, when its commit skipped on_commit
         self._deferred: Deferred | None = None  # the parameters and optimizer state the writer still copies
         self._reserving: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -449,15 +449,15 @@ class Checkpointer:
             ) from None
 
     def announce(self, step: int) -> None:
-        """Hand the committed checkpoint of ``step`` to ``on_commit`` (the upload) if its commit did not (a
-        save taken while a node was still uploading, job.checkpoint._begin_sharded): the one a run ends on
-        always goes up."""
-        if self.on_commit is None or self.last_announced == step:
+        """Hand the checkpoint of ``step`` to ``on_commit`` (the upload) if this process committed it
+        without (a save taken while a node was still uploading, _begin_sharded): the one a run ends on
+        always goes up. Nothing for any other step: one handed over already, or never committed here."""
+        if self.on_commit is None or step not in self._held_back:
             return
+        self._held_back.discard(step)
         for ckpt in local.list_committed(self.folder):
             if ckpt.step == step:
                 self.on_commit(ckpt)
-                self.last_announced = step
 
     def _commit(self, staging: Path, manifest: Manifest, started: float,
                 announce: bool = True) -> local.LocalCheckpoint:
@@ -480,9 +480,10 @@ class Checkpointer:
         event(logger, "checkpoint", step=manifest.step, path=str(ckpt.path), bytes=manifest.total_size,
               seconds=round(self.last_write_seconds, 3), stall=None if stall is None else round(stall, 3))
         if self.on_commit is not None and announce:
+            self._held_back = set()  # an older one held back is not worth an upload after this one
             self.on_commit(ckpt)
-            self.last_announced = manifest.step
         elif self.on_commit is not None:
+            self._held_back = {manifest.step}  # only the newest matters: the run may end on it (announce)
             logger.debug("%s stays local: a node was still uploading when it was taken", ckpt.name)
         return ckpt
 
@@ -542,12 +543,13 @@ def claim_folder(folder: Path) -> None:
         ) from None
 
 
-def check_nodes_can_resume(folder: Path, remote: bool) -> None:
+def check_nodes_can_resume(folder: Path, uploads: bool) -> None:
     """A sharded run on several nodes whose folders are disks of their own keeps only each node's part
     of a checkpoint on each disk; the parts meet in the bucket alone (README, "Multi-node without a
-    shared volume"). Without --remote nothing it saves could ever be resumed: refused at start-up, not
-    found out at the first restart. Every rank calls this (collectives); it looks as the saves do."""
-    if remote or distributed.nodes() == 1:
+    shared volume"). Without --remote and an upload (in-process or a sidecar) nothing it saves could ever
+    be resumed: refused at start-up, not found out at the first restart. Every rank calls this
+    (collectives); it looks as the saves do."""
+    if uploads or distributed.nodes() == 1:
         return
     probe = folder / f"{local.STAGING_PREFIX}nodes-{distributed.broadcast_choice(uuid.uuid4().hex)}"
     distributed.barrier()  # every node leader has claimed (cleaned) the folder: the probe stays until removed here
@@ -559,8 +561,9 @@ def check_nodes_can_resume(folder: Path, remote: bool) -> None:
     if own_disks:
         raise ConfigError(
             f"--sharded on {distributed.nodes()} nodes whose --save-folder {folder} is a disk of each node's own "
-            "needs --remote: each node keeps only its part of a checkpoint, and a part alone is never resumed; "
-            "add --remote s3://bucket/prefix, or give every node one shared volume")
+            "needs --remote and an upload: each node keeps only its part of a checkpoint, and a part alone is never "
+            "resumed; add --remote s3://bucket/prefix (with --upload inprocess or sidecar), or give every node one "
+            "shared volume")
 
 
 def _yield_cpu_to_training() -> None:

@@ -14,7 +14,7 @@ import torch
 from job.checkpoint import (STATE_FILE, Checkpointer, _without_torch_crc32, describe, load_state_file, model_sha256,
                             open_checkpoint)
 from job.exceptions import CheckpointLoadError
-from tests.support.checkpoints import checkpoints_of, zip_crc32s
+from tests.support.checkpoints import checkpoints_of, make_checkpoint, zip_crc32s
 from tests.support.jobs import ckpt_config, train_state
 from uploader import local
 from uploader.hashing import BLOCK_SIZE, file_digest, sha256_file
@@ -214,3 +214,31 @@ def test_training_on_from_a_loaded_checkpoint_never_changes_its_file(tiny_config
     assert train_state(tiny_config(max_duration="55ba"), keep_all).timer.batch.value == 55
     assert sha256_file(newest / STATE_FILE) == before
     Manifest.read(newest).verify(newest)
+
+
+def test_announce_hands_over_only_a_checkpoint_whose_commit_held_it_back(tmp_path: Path) -> None:
+    """On nodes with disks of their own a save goes up only when no node is still uploading; the one a run
+    ends on is handed over afterwards (job.app). Nothing else is: not a checkpoint this process resumed or
+    never committed (every node leader of a shared volume uploaded the whole final checkpoint again), nor
+    one older than a checkpoint handed over since."""
+    uploads: list[int] = []
+    ck = Checkpointer(tmp_path, keep=5, meta={}, on_commit=lambda c: uploads.append(c.step))
+    make_checkpoint(tmp_path, 2)  # another process's (or an earlier life's)
+    ck.announce(2)
+
+    def commit(step: int, announce: bool) -> None:
+        staging = local.staging_dir(tmp_path, step)
+        (staging / STATE_FILE).write_bytes(bytes([step]) * 1000)
+        size, digest = file_digest(staging / STATE_FILE, BLOCK_SIZE)
+        manifest = Manifest(step=step, files=(FileEntry(STATE_FILE, size, digest, BLOCK_SIZE),), timer={}, meta={})
+        ck._commit(staging, manifest, 0.0, announce=announce)
+
+    commit(4, announce=False)
+    assert uploads == []
+    ck.announce(4)
+    ck.announce(4)
+    assert uploads == [4]
+    commit(6, announce=False)
+    commit(8, announce=True)
+    ck.announce(6)  # 8 went up since
+    assert uploads == [4, 8]

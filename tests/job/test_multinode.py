@@ -264,8 +264,9 @@ def test_nodes_with_their_own_disks_and_no_bucket_are_refused_at_start_up(tmp_pa
         assert "exitcode  : 2" in proc.stderr
         assert [line for line in proc.stderr.splitlines() if line.startswith("job: error")] == [
             f"job: error: --sharded on 2 nodes whose --save-folder {folder} is a disk of each node's own "
-            "needs --remote: each node keeps only its part of a checkpoint, and a part alone is never resumed; "
-            "add --remote s3://bucket/prefix, or give every node one shared volume"]
+            "needs --remote and an upload: each node keeps only its part of a checkpoint, and a part alone is never "
+            "resumed; add --remote s3://bucket/prefix (with --upload inprocess or sidecar), or give every node one "
+            "shared volume"]
         assert not list(folder.iterdir())  # the probe is gone
 
     shared = tmp_path / "shared"
