@@ -312,7 +312,7 @@ def _nested_beyond(data: bytes, depth: int) -> bool:
         if not brackets:
             return False
         brackets = _EMPTY_PAIR_RE.sub(b"", brackets)
-    return bool(brackets)
+    return _EMPTY_PAIR_RE.search(brackets) is not None  # else unbalanced: json.loads says what is wrong
 
 
 def _finite_float(text: str) -> float:
