@@ -222,8 +222,8 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
     if leader or node_uploads:
         claim_folder(ckpt_cfg.folder)
     if cfg.sharded:
-        uploads = remote_cfg is not None and bool(remote_cfg.url) and remote_cfg.mode != "off"
-        check_nodes_can_resume(ckpt_cfg.folder, uploads)
+        remote = remote_cfg is not None and bool(remote_cfg.url)
+        check_nodes_can_resume(ckpt_cfg.folder, remote, remote and remote_cfg is not None and remote_cfg.mode != "off")
     store = (RemoteStore(remote_cfg, ckpt_cfg.folder)
              if (leader or node_uploads) and remote_cfg is not None and remote_cfg.url else None)
     # The newest remote checkpoint downloads while the model is built: a resume waits for the larger one.

@@ -543,12 +543,13 @@ def claim_folder(folder: Path) -> None:
         ) from None
 
 
-def check_nodes_can_resume(folder: Path, uploads: bool) -> None:
+def check_nodes_can_resume(folder: Path, remote: bool, uploads: bool) -> None:
     """A sharded run on several nodes whose folders are disks of their own keeps only each node's part
     of a checkpoint on each disk; the parts meet in the bucket alone (README, "Multi-node without a
-    shared volume"). Without --remote and an upload (in-process or a sidecar) nothing it saves could ever
-    be resumed: refused at start-up, not found out at the first restart. Every rank calls this
-    (collectives); it looks as the saves do."""
+    shared volume"). Without --remote nothing it saves could ever be resumed: refused at start-up, not
+    found out at the first restart. With --upload off (read-only credentials, a resume-only benchmark)
+    only what the bucket holds can be: a warning. Every rank calls this (collectives); it looks as the
+    saves do."""
     if uploads or distributed.nodes() == 1:
         return
     probe = folder / f"{local.STAGING_PREFIX}nodes-{distributed.broadcast_choice(uuid.uuid4().hex)}"
@@ -558,12 +559,15 @@ def check_nodes_can_resume(folder: Path, uploads: bool) -> None:
     finally:
         if distributed.node_leader():
             shutil.rmtree(probe, ignore_errors=True)
-    if own_disks:
+    if own_disks and not remote:
         raise ConfigError(
             f"--sharded on {distributed.nodes()} nodes whose --save-folder {folder} is a disk of each node's own "
-            "needs --remote and an upload: each node keeps only its part of a checkpoint, and a part alone is never "
-            "resumed; add --remote s3://bucket/prefix (with --upload inprocess or sidecar), or give every node one "
-            "shared volume")
+            "needs --remote: each node keeps only its part of a checkpoint, and a part alone is never resumed; "
+            "add --remote s3://bucket/prefix, or give every node one shared volume")
+    if own_disks and distributed.rank() == 0:
+        logger.warning("--upload off on %d nodes with disks of their own: this run's checkpoints stay in parts on "
+                       "each node, which are never resumed; a restart resumes the newest in the bucket",
+                       distributed.nodes())
 
 
 def _yield_cpu_to_training() -> None:

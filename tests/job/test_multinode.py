@@ -254,8 +254,9 @@ def test_nodes_back_on_their_own_disks_with_no_whole_checkpoint_in_the_bucket_st
 
 
 def test_nodes_with_their_own_disks_and_no_bucket_are_refused_at_start_up(tmp_path: Path) -> None:
-    """Nothing such a run saves could be resumed: exit 2 at once, not a discovery at the first restart.
-    On one volume that every node shares, rank 0 commits the whole checkpoint, and no bucket is needed."""
+    """Nothing such a run saves could be resumed: exit 2 at once, not a discovery at the first restart. With
+    --upload off only the bucket's checkpoints can be (read-only credentials): a warning. On one volume
+    that every node shares, rank 0 commits the whole checkpoint, and no bucket is needed."""
     folders = [tmp_path / "node0", tmp_path / "node1"]
     procs = two_nodes(folders, None, job_env(), *QUICK)
     codes = [proc.wait(120) for proc in procs]
@@ -264,10 +265,13 @@ def test_nodes_with_their_own_disks_and_no_bucket_are_refused_at_start_up(tmp_pa
         assert "exitcode  : 2" in proc.stderr
         assert [line for line in proc.stderr.splitlines() if line.startswith("job: error")] == [
             f"job: error: --sharded on 2 nodes whose --save-folder {folder} is a disk of each node's own "
-            "needs --remote and an upload: each node keeps only its part of a checkpoint, and a part alone is never "
-            "resumed; add --remote s3://bucket/prefix (with --upload inprocess or sidecar), or give every node one "
-            "shared volume"]
+            "needs --remote: each node keeps only its part of a checkpoint, and a part alone is never resumed; "
+            "add --remote s3://bucket/prefix, or give every node one shared volume"]
         assert not list(folder.iterdir())  # the probe is gone
+
+    off = finish(two_nodes(folders, f"file://{tmp_path / 'bucket'}", job_env(), *QUICK, "--upload", "off"))
+    assert [e["step"] for e in off if e.get("event") == "finished"] == [20, 20]  # resume-only uses: a warning
+    assert any("--upload off on 2 nodes with disks of their own" in e.get("message", "") for e in off)
 
     shared = tmp_path / "shared"
     done = finish(two_nodes([shared, shared], None, job_env(), *QUICK))
