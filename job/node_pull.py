@@ -54,20 +54,13 @@ def resume_from_bucket(state: State, folder: Path, store: RemoteStore | None, ne
     """
     below: int | None = None
     while True:
-        raw: bytes | None = None
-        failed: BaseException | None = None
-        if distributed.rank() == 0 and store is not None:
-            try:  # (AuthError, UnsupportedFormat, ...): told to every rank, none left waiting for rank 0
-                newest = store.newest_complete(below)
-                raw = newest.to_json() if newest is not None and newest.step > newer_than else None
-            except Exception as e:  # noqa: BLE001 - raised below, after every rank has heard of it
-                failed = e
-        why = None if failed is None else (f"{type(failed).__name__}: {failed}", exit_code_for(failed))
-        raw, why = distributed.broadcast_choice((raw, why))
-        if failed is not None:
-            raise failed
-        if why is not None:  # with rank 0's exit code: an outage (5) is not a bad checkpoint (6)
-            raise OtherRankError(f"rank 0 could not read the bucket ({why[0]})", why[1])
+        def newest(below: int | None = below) -> bytes | None:
+            found = store.newest_complete(below) if store is not None else None
+            return found.to_json() if found is not None and found.step > newer_than else None
+
+        # Rank 0's failure (AuthError, UnsupportedFormat, ...) reaches every rank with its exit code: an outage
+        # (5) is not a bad checkpoint (6), and no rank is left waiting for rank 0.
+        raw = distributed.decided_by_first(newest, "read the bucket")
         if raw is None:
             return None
         manifest = Manifest.from_json(raw)  # rank 0 parsed the same bytes: it cannot fail here alone
