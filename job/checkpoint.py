@@ -93,7 +93,7 @@ class Checkpointer:
         self._pending: _ShardedSave | None = None  # the sharded checkpoint in flight, on every rank alike
         self._writer: threading.Thread | None = None
         self.last_committed: int | None = None  # the step this process committed last (its writer may still run)
-        self._held_back: set[int] = set()  # the step committed here last, when its commit skipped on_commit
+        self._held_back: local.LocalCheckpoint | None = None  # committed here last, without on_commit
         self._deferred: Deferred | None = None  # the parameters and optimizer state the writer still copies
         self._reserving: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -452,12 +452,11 @@ class Checkpointer:
         """Hand the checkpoint of ``step`` to ``on_commit`` (the upload) if this process committed it
         without (a save taken while a node was still uploading, _begin_sharded): the one a run ends on
         always goes up. Nothing for any other step: one handed over already, or never committed here."""
-        if self.on_commit is None or step not in self._held_back:
+        held = self._held_back
+        if held is None or held.step != step or self.on_commit is None:
             return
-        self._held_back.discard(step)
-        for ckpt in local.list_committed(self.folder):
-            if ckpt.step == step:
-                self.on_commit(ckpt)
+        self._held_back = None
+        self.on_commit(held)  # the newest committed checkpoint: retention never prunes it
 
     def _commit(self, staging: Path, manifest: Manifest, started: float,
                 announce: bool = True) -> local.LocalCheckpoint:
@@ -480,10 +479,10 @@ class Checkpointer:
         event(logger, "checkpoint", step=manifest.step, path=str(ckpt.path), bytes=manifest.total_size,
               seconds=round(self.last_write_seconds, 3), stall=None if stall is None else round(stall, 3))
         if self.on_commit is not None and announce:
-            self._held_back = set()  # an older one held back is not worth an upload after this one
+            self._held_back = None  # an older one held back is not worth an upload after this one
             self.on_commit(ckpt)
         elif self.on_commit is not None:
-            self._held_back = {manifest.step}  # only the newest matters: the run may end on it (announce)
+            self._held_back = ckpt  # only the newest matters: the run may end on it (announce)
             logger.debug("%s stays local: a node was still uploading when it was taken", ckpt.name)
         return ckpt
 
