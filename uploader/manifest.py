@@ -284,8 +284,9 @@ def strict_json(data: bytes | str, max_depth: int | None = None) -> Any:
     everywhere."""
     try:
         if max_depth is not None:  # UTF-8 only (json.loads would take UTF-16 too, whose bytes hide brackets)
-            data = data.decode("utf-8") if isinstance(data, bytes) else data
-            if _nested_beyond(data.encode("utf-8", "surrogatepass"), max_depth):
+            raw, data = (data, data.decode("utf-8")) if isinstance(data, bytes) else \
+                (data.encode("utf-8", "surrogatepass"), data)
+            if _nested_beyond(raw, max_depth):
                 raise ValueError(f"nested more than {max_depth} levels deep")
         return json.loads(data, parse_constant=_refuse_constant, parse_float=_finite_float)
     except UnicodeDecodeError as e:
@@ -398,9 +399,9 @@ def node_part(manifest: Manifest) -> tuple[int, int] | None:
 def _check_layout(manifest: Manifest) -> None:
     """Files that can all exist in one folder, and the payload the job loads."""
     paths = [f.path for f in manifest.files]
-    if len(set(paths)) != len(paths):
-        raise ManifestError("manifest lists a file twice")
     listed = set(paths)
+    if len(listed) != len(paths):
+        raise ManifestError("manifest lists a file twice")
     clash = sorted(folder for p in paths for folder in _folders(p) if folder in listed)
     if clash:
         raise ManifestError(f"manifest lists {clash[0]!r} both as a file and as a folder of other files")
