@@ -133,9 +133,10 @@ class Checkpointer:
 
     def save_async(self, state: State) -> bool:
         """Snapshot ``state`` and write it in the background; False (nothing done) while one is in flight."""
-        self._raise_background_error()
         if self.sharded:
+            self._raise_background_error()
             return self._save_sharded_async(state)
+        distributed.raise_together(self._take_background_error(), "write its checkpoint")
         (busy,) = distributed.agree(self.in_flight())
         if busy:
             return False
@@ -175,9 +176,13 @@ class Checkpointer:
                 ckpt = self._save_sharded_now(state)
             else:
                 tree = distributed.gather_per_rank(state.state_dict())
-                ckpt = None
+                ckpt, error = None, None
                 if distributed.rank() == 0:
-                    ckpt = self._write(tree, state.timer.batch.value, state.timer.state_dict())
+                    try:
+                        ckpt = self._write(tree, state.timer.batch.value, state.timer.state_dict())
+                    except Exception as e:  # noqa: BLE001 - raised below, once every rank has heard of it
+                        error = e
+                distributed.raise_together(error, "write its checkpoint")
         finally:
             self._durable_since = None
         distributed.barrier()  # no rank goes on (or exits) before the checkpoint is durable
@@ -379,9 +384,16 @@ class Checkpointer:
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the checkpoint in flight; re-raise its failure here, in the training thread.
 
-        Sharded: collective (every rank calls it), and a failure is raised on every rank."""
+        Collective (every rank calls it), and a failure is raised on every rank: rank 0's own, the
+        others an OtherRankError with its exit code."""
         if self.sharded:
             return self._advance(timeout)
+        done = self._join(timeout)
+        distributed.raise_together(self._take_background_error() if done else None, "write its checkpoint")
+        return done
+
+    def _join(self, timeout: float | None) -> bool:
+        """This rank's part of :meth:`wait`, no collective: the reservation and the write in flight."""
         if self._reserving is not None:
             self._reserving.join(timeout)
             if self._reserving.is_alive():
@@ -392,7 +404,6 @@ class Checkpointer:
             if self._writer.is_alive():
                 return False
             self._writer = self._deferred = None
-        self._raise_background_error()
         return True
 
     def close(self, timeout: float | None = None) -> bool:
@@ -409,16 +420,20 @@ class Checkpointer:
             if thread is not None:
                 thread.join(timeout)
             return thread is None or not thread.is_alive()
-        try:
-            return self.wait(timeout)
-        except Exception as e:  # noqa: BLE001 - the caller is already raising the first failure
-            logger.warning("the checkpoint in flight failed too: %s", e)
-            return True
+        done = self._join(timeout)  # no collective: the other ranks may be on their way out already
+        error = self._take_background_error()
+        if error is not None:  # the caller is already raising the first failure
+            logger.warning("the checkpoint in flight failed too: %s", error)
+        return done
 
     def _raise_background_error(self) -> None:
-        if self._error is not None:
-            error, self._error = self._error, None
+        error = self._take_background_error()
+        if error is not None:
             raise error
+
+    def _take_background_error(self) -> BaseException | None:
+        error, self._error = self._error, None
+        return error
 
     def _write_in_background(self, tree: Any, ready: Any, deferred: Deferred, step: int,
                              timer: dict[str, int]) -> None:

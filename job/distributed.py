@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from job.exceptions import OtherRankError, exit_code_for
+from job.safe_load import first_line
 
 T = TypeVar("T")
 
@@ -190,13 +191,31 @@ def decided_by_first(decide: Callable[[], T], what: str) -> T:
             value = decide()
         except Exception as e:  # noqa: BLE001 - raised below, once every rank has heard of it
             failed = e
-    why = None if failed is None else (f"{type(failed).__name__}: {failed}", exit_code_for(failed))
-    value, why = broadcast_choice((value, why))
+    value, why = broadcast_choice((value, _why(failed)))
     if failed is not None:
         raise failed
     if why is not None:
         raise OtherRankError(f"rank 0 could not {what} ({why[0]})", why[1])
     return value  # type: ignore[return-value]  # T, which may itself be None
+
+
+def raise_together(error: BaseException | None, what: str) -> None:
+    """Collective: this rank's failure (or None) raised here, and on every rank without one the first
+    failing rank's, as an OtherRankError with its exit code. For work one rank does alone (rank 0 writes
+    the replicated checkpoint), whose failure the others would otherwise meet as a closed connection at
+    their next collective (exit 1, a traceback) instead of the documented exit code."""
+    whys = all_gather(_why(error))
+    if error is not None:
+        raise error
+    for failed_rank, why in enumerate(whys):
+        if why is not None:
+            raise OtherRankError(f"rank {failed_rank} could not {what} ({why[0]})", why[1])
+
+
+def _why(error: BaseException | None) -> tuple[str, int] | None:
+    """A failure as the other ranks are told it: its first line (the whole of it is on the failing
+    rank's stderr) and its exit code."""
+    return None if error is None else (f"{type(error).__name__}: {first_line(error, 300)}", exit_code_for(error))
 
 
 def broadcast_tensors(tensors: list[torch.Tensor]) -> None:

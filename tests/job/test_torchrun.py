@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 
 import pytest
 
 from tests.support.checkpoints import corrupt_file
+from tests.support.disk import limit_file_size
 from tests.support.jobs import JobProcess, events, inspect, job_env
 from tests.support.polling import wait_until
 from tests.support.procs import worker_of_rank
@@ -140,6 +142,24 @@ def test_when_rank_0_refuses_to_start_every_rank_says_why_with_its_exit_code(tmp
     assert "rank 0 could not " in errors[1] and f"(exitcode: {code})" in again.stderr
     assert "unexpected error" not in again.stderr and "Connection closed" not in again.stderr  # torchrun's own
     # traceback (ChildFailedError) follows, as for any failed worker
+
+
+@pytest.mark.parametrize("save", ["--sync-save", "--async-save"])
+def test_when_rank_0_cannot_write_a_checkpoint_every_rank_exits_7_and_says_why(tmp_path, save):
+    """Rank 0 alone writes an unsharded checkpoint. Its full disk once reached rank 1 as a closed connection
+    at the next collective: exit 1, 'a bug', with a traceback. The file size limit stands for the full disk
+    (it is every rank's: only rank 0 writes a checkpoint)."""
+    folder = tmp_path / "ck"
+    done = JobProcess(torchrun() + [save, "--model", "mlp", "--max-duration", "30ba", "--save-folder", str(folder)],
+                      env=job_env(), preexec_fn=limit_file_size(16 * 1024))
+    done.wait(180)
+
+    errors = sorted(line for line in done.stderr.splitlines() if line.startswith("job: error:"))
+    assert len(errors) == 2, done.stderr[-3000:]
+    assert all("cannot write a checkpoint to" in line and "previous checkpoint is untouched" in line for line in errors)
+    assert "rank 0 could not write its checkpoint (CheckpointWriteError: " in errors[1]
+    assert re.findall(r"exitcode\s*: (\d+) \(pid", done.stderr) == ["7", "7"]  # torchrun's summary of both
+    assert "Connection closed" not in done.stderr and list_committed(folder) == []
 
 
 def test_a_signal_that_reaches_one_rank_is_what_every_rank_stops_for(spawn, tmp_path):

@@ -124,11 +124,12 @@ class JobProcess:
     """A `job` (or any) process whose JSON log lines are collected live, for signal and timing tests."""
 
     def __init__(self, argv: list[str], env: dict[str, str] | None = None, cwd: Path = REPO,
-                 new_session: bool = False) -> None:
+                 new_session: bool = False, preexec_fn: Callable[[], None] | None = None) -> None:
         """``new_session``: the process leads a process group of its own, which ``signal_group`` signals
-        whole, as a terminal's Ctrl-C does."""
+        whole, as a terminal's Ctrl-C does. ``preexec_fn``: as subprocess's (tests.support.disk)."""
         self.proc = subprocess.Popen(argv, env=env or job_env(), cwd=cwd, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, text=True, start_new_session=new_session)
+                                     stderr=subprocess.PIPE, text=True, start_new_session=new_session,
+                                     preexec_fn=preexec_fn)
         self.lines: list[str] = []
         self._cond = threading.Condition()
         self._reader = threading.Thread(target=self._read, daemon=True)
