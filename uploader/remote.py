@@ -27,12 +27,15 @@ OnBytes = Callable[[int], None]
 @dataclass(frozen=True)
 class ObjectInfo:
     """One stored object. ``digest`` is only known from ``head`` (it is object metadata): the digest the
-    object was uploaded with, as uploader.hashing.tagged writes it (its algorithm named unless sha256)."""
+    object was uploaded with, as uploader.hashing.tagged writes it (its algorithm named unless sha256).
+    ``etag`` too (S3 only): a download's ranged GETs ask for that version, so that an object replaced
+    between them is noticed as a change, not read as a mix of two objects or a short one."""
 
     key: str
     size: int
     modified: float
     digest: str | None = None
+    etag: str | None = None
 
 
 class Remote(Protocol):

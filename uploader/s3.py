@@ -29,6 +29,7 @@ import hashlib
 import http.client
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -109,6 +110,11 @@ _AUTH_CODES = frozenset(
         "AuthorizationHeaderMalformed",
     }
 )
+# A ranged GET of the object a download's HEAD saw: 412 (If-Match: another object now), 404 (none now),
+# 416 (a shorter one, from a server that ignores If-Match).
+_CHANGED_STATUSES = frozenset({404, 412, 416})
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
+
 _CREDENTIAL_ERRORS = (
     boto_errors.NoCredentialsError,
     boto_errors.PartialCredentialsError,
@@ -297,6 +303,7 @@ class S3Remote:
                 int(reply["ContentLength"]),
                 reply["LastModified"].timestamp(),
                 _stored_digest(reply.get("Metadata", {})),
+                reply.get("ETag"),
             )
 
         return self._call(f"HEAD {key}", op)
@@ -368,6 +375,7 @@ class S3Remote:
         step = align_up(get_range_size(size, self.config), block_size)  # whole blocks: its thread hashes them
         ranges = [(start, min(start + step, size) - 1) for start in range(0, size, step)]
         received = PartDigest(size, block_size, algorithm)
+        same_object = {"IfMatch": info.etag} if info.etag else {}
         failed = threading.Event()
         should_abort = _either(failed, abort)
         buffers = threading.local()  # one reused streaming buffer per worker thread
@@ -385,9 +393,17 @@ class S3Remote:
                 first, last = span
 
                 def op() -> None:
-                    reply = self._client.get_object(Bucket=self.bucket, Key=self._key(key),
-                                                    Range=f"bytes={first}-{last}")
+                    try:
+                        reply = self._client.get_object(Bucket=self.bucket, Key=self._key(key),
+                                                        Range=f"bytes={first}-{last}", **same_object)
+                    except boto_errors.ClientError as e:
+                        if error_code(e)[1] in _CHANGED_STATUSES:
+                            raise self._changed(key, describe(e)) from None
+                        raise
                     with contextlib.closing(reply["Body"]) as body:
+                        problem = _range_problem(reply, first, last, size)
+                        if problem is not None:
+                            raise self._changed(key, problem)
                         if not hasattr(buffers, "chunk"):
                             buffers.chunk = bytearray(STREAM_CHUNK)
                         # Each attempt hashes afresh: a retried range must not count its first bytes twice.
@@ -411,6 +427,11 @@ class S3Remote:
         # own dirty-page limits pace the disk, as for any downloader (BENCHMARKS.md, ninth session).
         if received.hexdigest() != digest:
             raise CorruptCheckpoint(f"{self.url}/{key} fails its {algorithm} check")
+
+    def _changed(self, key: str, why: str) -> CorruptCheckpoint:
+        """The object was replaced or deleted while it was downloaded: whatever it holds now, this download
+        is not of one object that matches the manifest. Never retried: each range would see the same."""
+        return CorruptCheckpoint(f"{self.url}/{key} changed while it was downloaded ({why})")
 
     def copy(self, source: str, dest: str, *, size: int) -> None:
         """Server-side: one CopyObject up to 5 GiB, UploadPartCopy in parts above (S3's limit)."""
@@ -630,6 +651,25 @@ def _either(failed: threading.Event | None, abort: threading.Event | None) -> Ca
     if not events:
         return None
     return lambda: any(e.is_set() for e in events)
+
+
+def _range_problem(reply: dict[str, Any], first: int, last: int, size: int) -> str | None:
+    """Why the reply to a GET of bytes ``first``-``last`` of a ``size``-byte object is not that range of
+    it, or None. A server that ignores If-Match still names the object's size in Content-Range. Without
+    a Content-Range only a 200 with the whole object is the range asked for (the server ignored Range)."""
+    length = reply.get("ContentLength")
+    content_range = reply.get("ContentRange")
+    if content_range is None:
+        if first == 0 and last == size - 1 and length == size:
+            return None
+        return f"the reply holds {length} bytes and no Content-Range for bytes {first}-{last}"
+    match = _CONTENT_RANGE.fullmatch(content_range.strip())
+    if match is None:
+        return f"the reply's Content-Range is {content_range!r}"
+    start, end, total = (int(g) if g != "*" else None for g in match.groups())
+    if (start, end, total) != (first, last, size) or length not in (None, last - first + 1):
+        return f"asked for bytes {first}-{last}/{size}, got {content_range} ({length} bytes)"
+    return None
 
 
 def get_range_size(size: int, config: UploadConfig) -> int:

@@ -5,12 +5,14 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from tests.support.checkpoints import WITH_LARGE_FILE, data_files_of, make_checkpoint
+from tests.support.checkpoints import WITH_LARGE_FILE, complete_steps, data_files_of, make_checkpoint
 from tests.support.faultproxy import FaultProxy
+from tests.support.polling import wait_until
 from tests.support.s3server import ADMIN, READER, Bucket, Credentials, fast_config
 from tests.support.uploader_cli import cli_env, run_cli
 from uploader.config import MiB
@@ -99,6 +101,31 @@ def test_giving_up_leaves_an_incomplete_checkpoint_that_pull_ignores(
     assert ls.returncode == 0, ls.stderr
     listed = {row["step"]: row["complete"] for row in map(json.loads, ls.stdout.splitlines())}
     assert listed == {1: True, 2: False}
+
+
+@pytest.mark.parametrize("shorter", [True, False], ids=["shorter", "same-size"])
+def test_an_object_replaced_while_it_downloads_is_a_changed_checkpoint(
+    fault_proxy: FaultProxy, s3_bucket: Bucket, tmp_path: Path, shorter: bool, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The HEAD saw one object, the ranged GETs find another. A shorter one was read as the network failing:
+    ranges that ended early, retried for the whole budget, then exit 5. Nor may the ranges mix two objects.
+    It is a checkpoint that no longer matches its manifest: the pull takes the one before, at once."""
+    local, direct = tmp_path / "local", open_remote(s3_bucket.url(), fast_config(s3_bucket.endpoint_url))
+    for step in (5, 10):
+        push(make_checkpoint(local, step, WITH_LARGE_FILE), direct, keep=3)
+    key = "step-000000000010/big.bin"
+    fault_proxy.hold(f"GET /{s3_bucket.name}/ckpt/{key} ")  # the HEAD goes through, the GETs wait
+    with ThreadPoolExecutor(1) as pool, caplog.at_level(logging.INFO):
+        pulling = pool.submit(pull_newest, via(fault_proxy, s3_bucket), tmp_path / "restore")
+        wait_until(lambda: fault_proxy.counters.held > 0, what="the first ranged GET of big.bin")
+        direct.write_bytes(key, bytes(1000 if shorter else WITH_LARGE_FILE["big.bin"]))
+        fault_proxy.passthrough()
+        pulled = pulling.result(timeout=60)
+
+    assert pulled is not None and pulled.step == 5
+    assert f"{key} changed while it was downloaded" in caplog.text
+    assert "retry 1 of" not in caplog.text  # no range was tried again: each would find the same
+    assert complete_steps(direct) == [5]  # the changed one set aside, as any that fails verification
 
 
 WRONG_SECRET = Credentials(ADMIN.access_key, "not-the-secret-0123456789")

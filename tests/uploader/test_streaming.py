@@ -14,7 +14,7 @@ from uploader.retry import is_transient
 from uploader.config import MiB, UploadConfig
 from uploader.destination import Destination
 from uploader.exceptions import LocalWriteError
-from uploader.s3 import MAX_GET_RANGE, _stream_into, get_range_size
+from uploader.s3 import MAX_GET_RANGE, _range_problem, _stream_into, get_range_size
 
 
 class PlainBody:
@@ -78,3 +78,23 @@ def test_ranged_gets_are_about_two_per_worker_between_a_part_and_the_cap(size: i
     config = UploadConfig(part_size=16 * MiB, concurrency=8)
     assert get_range_size(size, config) == expected
     assert get_range_size(size, UploadConfig(part_size=128 * MiB)) == 128 * MiB  # a configured part wins
+
+
+@pytest.mark.parametrize(("reply", "problem"), [
+    ({"ContentRange": "bytes 100-199/1000", "ContentLength": 100}, None),
+    ({"ContentRange": "bytes 100-199/900", "ContentLength": 100}, "got bytes 100-199/900"),  # a shorter object
+    ({"ContentRange": "bytes 100-149/1000", "ContentLength": 50}, "got bytes 100-149/1000"),
+    ({"ContentRange": "bytes 100-199/*", "ContentLength": 100}, "got bytes 100-199/*"),
+    ({"ContentRange": "pages 1-2/3", "ContentLength": 100}, "Content-Range is 'pages 1-2/3'"),
+    ({"ContentLength": 1000}, "no Content-Range"),  # the whole object for a range of it: Range ignored
+])
+def test_a_reply_that_is_not_the_range_asked_for_names_what_it_is(reply: dict, problem: str | None) -> None:
+    """What a server that ignores If-Match, or Range, answers once the object changed: told apart from the
+    range asked for by Content-Range, never written into the file as if it were it."""
+    found = _range_problem(reply, 100, 199, 1000)
+    assert found == problem if problem is None else (found is not None and problem in found)
+
+
+def test_a_whole_object_without_content_range_is_the_one_range_asked_for() -> None:
+    assert _range_problem({"ContentLength": 1000}, 0, 999, 1000) is None
+    assert _range_problem({"ContentLength": 900}, 0, 999, 1000) is not None
