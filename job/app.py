@@ -162,6 +162,15 @@ def _until_exit(stop: StopRequest) -> float | None:
     return None if math.isinf(left) else max(left, 0.0)
 
 
+def _stop_everywhere(stop: StopRequest) -> None:
+    """Collective, where the ranks agreed to stop: a rank that saw no signal itself requests the stop,
+    naming the reason another rank has, so that its ledger and events say why it stopped."""
+    why = next((r for r in distributed.all_gather(stop.reason) if r is not None), "another rank")
+    if not stop.requested:
+        stop.request(f"{why} (on another rank)")
+        event(logger, "stop_requested", reason=stop.reason, grace_seconds=stop.grace_period)
+
+
 def _stop_for_preemption(state: State, cadence: CheckpointCadence, store: RemoteStore | None,
                          stop: StopRequest) -> None:
     """Within the grace period: a final checkpoint, its upload, and a clear account of what was kept."""
@@ -280,10 +289,7 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
             # One collective per step under torchrun: any rank's signal or due checkpoint counts for all.
             checkpoint_now, stopping = distributed.agree(checkpoint_now, stop.should_stop(state))
             if stopping:  # at this step on every rank, once: the ledger and the events learn why
-                why = next((r for r in distributed.all_gather(stop.reason) if r is not None), "another rank")
-                if not stop.requested:
-                    stop.request(f"{why} (on another rank)")
-                    event(logger, "stop_requested", reason=stop.reason, grace_seconds=stop.grace_period)
+                _stop_everywhere(stop)
             if checkpoint_now:
                 cadence.take(state)
             else:  # a sharded checkpoint in flight completes once every rank has written its part
@@ -301,7 +307,12 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
               parameters=sum(p.numel() for p in state.model.parameters()))
         Trainer(run, eval_interval, cfg.log_interval, after_step=after_step, should_stop=should_stop,
                 before_update=checkpointer.before_update).fit()
-        if stop.requested:
+        if distributed.active() and not stopping and distributed.agree(stop.requested)[0]:
+            # A signal after the last step's agree (the final save is in it) reaches one node's processes only:
+            # every rank decides on this agreed value, never on its own flag, or they part ways in collectives.
+            _stop_everywhere(stop)
+            stopping = True
+        if stopping if distributed.active() else stop.requested:
             _stop_for_preemption(state, cadence, store, stop)
             return Outcome(state, preempted=True, writing=checkpointer.busy())
         cadence.save_durable(state)

@@ -162,15 +162,22 @@ def test_when_rank_0_cannot_write_a_checkpoint_every_rank_exits_7_and_says_why(t
     assert "Connection closed" not in done.stderr and list_committed(folder) == []
 
 
-def test_a_signal_that_reaches_one_rank_is_what_every_rank_stops_for(spawn, tmp_path):
+@pytest.mark.parametrize("late", [False, True], ids=["mid-run", "after-the-last-step"])
+def test_a_signal_that_reaches_one_rank_is_what_every_rank_stops_for(spawn, tmp_path, late):
     """A spot reclaim signals one node's processes only. The others stopped for "another rank is stopping",
     and rank 0's ledger, hearing of no stop, counted the final save as productive time (final_save_s null).
-    Rank 0 alone logs at info (its events are the run's)."""
+    Rank 0 alone logs at info (its events are the run's). After the last step's agree, each rank once went
+    its own way (rank 1 to the preemption's collectives, rank 0 to the end's): a hang, or both exit 1."""
     folder = tmp_path / "ck"
-    proc = spawn(argv=torchrun() + ["--save-folder", str(folder)], env=job_env())
-    proc.wait_event("progress", lambda e: e["step"] >= 15)
-    wait_until(lambda: worker_of_rank(proc.proc.pid, 1) is not None, what="rank 1's process")
-    os.kill(worker_of_rank(proc.proc.pid, 1), signal.SIGTERM)  # rank 1 alone
+    if late:
+        argv = torchrun() + ["--save-folder", str(folder)]
+        argv[argv.index("job")] = "tests.support.late_signal_job"  # SIGTERM to rank 1 as its loop returns
+        proc = spawn(argv=argv, env=job_env())
+    else:
+        proc = spawn(argv=torchrun() + ["--save-folder", str(folder)], env=job_env())
+        proc.wait_event("progress", lambda e: e["step"] >= 15)
+        wait_until(lambda: worker_of_rank(proc.proc.pid, 1) is not None, what="rank 1's process")
+        os.kill(worker_of_rank(proc.proc.pid, 1), signal.SIGTERM)  # rank 1 alone
     proc.wait(timeout=120)
     assert "(exitcode: 75)" in proc.stderr, proc.stderr[-3000:]  # torchrun's own is 1
     stops = [(e["event"], e["reason"]) for e in events(proc.stderr)
