@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from uploader.exceptions import LocalWriteError
+from uploader.exceptions import Aborted, LocalWriteError
 
 logger = logging.getLogger(__name__)
 
@@ -56,10 +56,12 @@ class DeadlineExceeded(TimeoutError):
 class _Attempt:
     """One attempt in progress: its deadline, the connections it has used, whether it was cut."""
 
-    __slots__ = ("deadline", "connections", "fired", "shut")
+    __slots__ = ("deadline", "abort", "aborted", "connections", "fired", "shut")
 
-    def __init__(self, deadline: float) -> None:
+    def __init__(self, deadline: float, abort: Callable[[], bool] | None = None) -> None:
         self.deadline = deadline
+        self.abort = abort  # true once the caller gives the operation up: cut then, not at the deadline
+        self.aborted = False
         # connection -> the sockets seen on it during this attempt. Kept, not only read from the
         # connection at the deadline: http.client drops a connection's socket (sock = None) once a
         # response says "Connection: close" (an nginx in front of S3 does, every N requests), and
@@ -91,10 +93,11 @@ class Watchdog:
         self._thread: threading.Thread | None = None
 
     @contextlib.contextmanager
-    def attempt(self, deadline: float) -> Iterator[_Attempt]:
-        """Run the body as one attempt that must end by ``deadline`` (time.monotonic()); read
-        ``fired`` on the yielded attempt after the block to know whether it was cut."""
-        attempt = _Attempt(deadline)
+    def attempt(self, deadline: float, abort: Callable[[], bool] | None = None) -> Iterator[_Attempt]:
+        """Run the body as one attempt that must end by ``deadline`` (time.monotonic()), or as soon as
+        ``abort()`` is true (checked every RESWEEP seconds); read ``fired`` on the yielded attempt after
+        the block to know whether it was cut, ``aborted`` whether for ``abort``."""
+        attempt = _Attempt(deadline, abort)
         stack: list[_Attempt] | None = getattr(self._local, "stack", None)
         if stack is None:
             stack = self._local.stack = []
@@ -145,11 +148,15 @@ class Watchdog:
         with self._cond:
             while self._attempts:
                 now = time.monotonic()
-                late = [a for a in self._attempts if a.deadline <= now]
+                for attempt in self._attempts:
+                    if attempt.abort is not None and not attempt.aborted and attempt.abort():
+                        attempt.aborted = True
+                late = [a for a in self._attempts if a.deadline <= now or a.aborted]
                 for attempt in late:
                     self._cut(attempt)
-                pending = [a.deadline - now for a in self._attempts if a.deadline > now]
-                self._cond.wait(min(pending + ([RESWEEP] if late else [])))
+                pending = [a.deadline - now for a in self._attempts if a not in late]
+                polled = late or any(a.abort is not None for a in self._attempts)
+                self._cond.wait(min(pending + ([RESWEEP] if polled else [])))
             self._thread = None
 
     @staticmethod
@@ -181,20 +188,25 @@ def track(connection: Any) -> None:
     _WATCHDOG.track(connection)
 
 
-def bounded(deadline: float, fn: Callable[[], T], budget: float | None = None) -> T:
+def bounded(deadline: float, fn: Callable[[], T], budget: float | None = None,
+            abort: Callable[[], bool] | None = None) -> T:
     """Run ``fn`` as one attempt that ends by ``deadline`` (time.monotonic()): its tracked
     connections are cut when it is reached, and then DeadlineExceeded is raised whatever ``fn`` did
     (chained to its exception, if any: a cut response fails in many ways, some of which look
     permanent, such as an XML parse error), except a LocalWriteError, which no cut connection causes.
-    ``budget`` (seconds) only words the message.
+    ``budget`` (seconds) only words the message. Once ``abort()`` is true they are cut too, and Aborted
+    is raised: a job that gave up waiting for an upload (--final-upload-timeout) leaves now, not when a
+    request that hangs reaches its deadline.
     KeyboardInterrupt and other BaseExceptions pass unchanged."""
-    with _WATCHDOG.attempt(deadline) as attempt:
+    with _WATCHDOG.attempt(deadline, abort) as attempt:
         try:
             result = fn()
         except Exception as e:  # noqa: BLE001 - re-raised below, as it is or as DeadlineExceeded
             failure: Exception | None = e
         else:
             failure = None
+    if attempt.fired and attempt.aborted and not isinstance(failure, LocalWriteError):
+        raise Aborted("stopped on request; the request in flight was cut") from failure
     if attempt.fired and not isinstance(failure, LocalWriteError):  # the local disk failed, whatever the clock
         limit = f"the {budget:g} s retry budget (max_retry_seconds)" if budget is not None else "its deadline"
         raise DeadlineExceeded(f"no complete response within {limit}; the connection was cut") from failure

@@ -61,6 +61,9 @@ class FileRemote:
     def describe(self) -> str:
         return f"folder {str(self.root)!r}"
 
+    def cancel(self) -> None:
+        """Nothing: a local file system has no peer to hang on, and copies check their ``abort`` per chunk."""
+
     def close(self) -> None:
         pass
 

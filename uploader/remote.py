@@ -113,6 +113,12 @@ class Remote(Protocol):
         """Delete objects, in the order given; missing ones are not an error."""
         ...
 
+    def cancel(self) -> None:
+        """Cut the requests in flight and fail every later operation (Aborted), at once: the caller gave up
+        waiting (uploader.worker, closed after its timeout), and a request hanging on a silent server would
+        otherwise hold it until its retry budget ends. Irreversible; ``close`` still follows."""
+        ...
+
     def close(self) -> None:
         """Release connections and threads."""
         ...

@@ -245,6 +245,7 @@ class S3Remote:
         self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
         self._client = client if client is not None else make_client(config)
         self._transit = self._data_path(client is None)
+        self._cancelled = threading.Event()
 
     @classmethod
     def from_url(cls, url: str, config: UploadConfig) -> S3Remote:
@@ -268,6 +269,9 @@ class S3Remote:
 
     def describe(self) -> str:
         return f"bucket {self.bucket!r} at {self.endpoint}"
+
+    def cancel(self) -> None:
+        self._cancelled.set()
 
     def close(self) -> None:
         self._transit.close()
@@ -597,18 +601,22 @@ class S3Remote:
 
         The retry budget is one wall-clock deadline for the whole operation: tenacity starts no
         attempt after it, and each attempt is cut at it (uploader.deadline), so the operation ends
-        within about ``max_retry_seconds`` whatever the server does."""
-        if abort is not None and abort():
+        within about ``max_retry_seconds`` whatever the server does; at once after :meth:`cancel`."""
+        cancelled = self._cancelled.is_set
+        abort = cancelled if abort is None else _first_of(cancelled, abort)
+        if abort():
             raise Aborted(f"{what} on {self.url}: stopped on request")
         budget = self.config.max_retry_seconds
         deadline = time.monotonic() + budget
         try:
-            return retrying(self.config, what, abort, deadline)(lambda: bounded(deadline, fn, budget))
+            return retrying(self.config, what, abort, deadline)(lambda: bounded(deadline, fn, budget, abort))
         except RetryError as e:
-            if abort is not None and abort():
+            if abort():
                 raise Aborted(f"{what} on {self.url}: stopped on request") from None
             last = e.last_attempt
             raise self._error(what, last.exception(), attempts=last.attempt_number) from None
+        except Aborted:  # cut in flight (uploader.deadline)
+            raise Aborted(f"{what} on {self.url}: stopped on request") from None
         except UploaderError:
             raise
         except (boto_errors.BotoCoreError, boto_errors.ClientError) as e:
@@ -643,6 +651,10 @@ class S3Remote:
                 "the endpoint is reachable and healthy; the remote keeps its previous complete checkpoint"
             )
         return StorageError(f"{what} on {where} failed: {describe(exc)}")
+
+
+def _first_of(first: Callable[[], bool], second: Callable[[], bool]) -> Callable[[], bool]:
+    return lambda: first() or second()
 
 
 def _either(failed: threading.Event | None, abort: threading.Event | None) -> Callable[[], bool] | None:

@@ -106,6 +106,7 @@ class BackgroundUploader:
         self._thread.join(timeout)
         if self._thread.is_alive():
             self._abort.set()
+            self._remote.cancel()  # a request hanging on a silent server is cut now, not at its retry budget
             with self._cond:
                 self._cond.notify_all()
             self._thread.join()

@@ -68,5 +68,9 @@ class RecordingRemote:
         self._record("delete", list(keys))
         self.inner.delete(keys)
 
+    def cancel(self) -> None:
+        self._record("cancel", None)
+        self.inner.cancel()
+
     def close(self) -> None:
         self.inner.close()

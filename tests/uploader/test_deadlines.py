@@ -11,17 +11,16 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from tests.support.checkpoints import WITH_LARGE_FILE, make_checkpoint
 from tests.support.faultproxy import FaultProxy
-from tests.support.polling import wait_until
+from tests.support.polling import outcome_within, wait_until
 from tests.support.s3server import Bucket, fast_config
 from tests.support.uploader_cli import cli_env, run_cli
 from uploader.deadline import DeadlineExceeded, Watchdog, bounded, track
-from uploader.exceptions import LocalWriteError, TransientStorageError
+from uploader.exceptions import Aborted, LocalWriteError, TransientStorageError
 from uploader.layout import data_key
 from uploader.remote import Remote, open_remote
 from uploader.sync import push
@@ -33,27 +32,6 @@ TRICKLE = 0.5  # seconds per byte: each recv gets a byte long before any read ti
 
 def watchdog_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name == "uploader-deadline"]
-
-
-def outcome_within(seconds: float, fn: Callable[[], Any]) -> BaseException | None:
-    """Run ``fn`` in a thread; fail unless it ends within ``seconds``; its exception (None if none).
-
-    A thread, so that a regression fails this test after ``seconds`` instead of hanging it (the
-    fixture's proxy.close() then ends the stuck request)."""
-    outcome: list[BaseException | None] = []
-
-    def run() -> None:
-        try:
-            fn()
-            outcome.append(None)
-        except BaseException as e:  # noqa: BLE001 - handed to the test
-            outcome.append(e)
-
-    worker = threading.Thread(target=run, name="test-operation", daemon=True)
-    worker.start()
-    worker.join(seconds)
-    assert not worker.is_alive(), f"still running after {seconds} s"
-    return outcome[0]
 
 
 class FakeConnection:
@@ -76,6 +54,24 @@ def test_a_read_blocked_past_its_deadline_is_cut_and_raises() -> None:
         error = outcome_within(ENDS_WITHIN, lambda: bounded(time.monotonic() + 0.3, attempt, 0.3))
 
     assert isinstance(error, DeadlineExceeded) and "within the 0.3 s retry budget" in str(error)
+    wait_until(lambda: not watchdog_threads(), timeout=5, what="the watchdog thread to exit")
+
+
+def test_an_attempt_given_up_by_its_caller_is_cut_then_not_at_its_deadline() -> None:
+    """An uploader closed after --final-upload-timeout: its request in flight, on a connection that hangs,
+    kept the job (and its GPU) for up to the retry budget more; under torchrun the launcher then SIGKILLed
+    the rank that had the exit code to give."""
+    client, server = socket.socketpair()
+    given_up = threading.Event()
+    with client, server:
+        def attempt() -> bytes:
+            track(FakeConnection(client))
+            given_up.set()  # the caller gives up while the request waits for its response
+            return client.recv(10)
+
+        error = outcome_within(ENDS_WITHIN, lambda: bounded(time.monotonic() + 3600, attempt, 3600, given_up.is_set))
+
+    assert isinstance(error, Aborted) and "stopped on request" in str(error)
     wait_until(lambda: not watchdog_threads(), timeout=5, what="the watchdog thread to exit")
 
 

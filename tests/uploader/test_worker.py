@@ -9,7 +9,7 @@ import pytest
 
 from tests.support.checkpoints import complete_steps, make_checkpoint
 from tests.support.faultproxy import FaultProxy
-from tests.support.polling import wait_until
+from tests.support.polling import outcome_within, wait_until
 from tests.support.recording import RecordingRemote
 from tests.support.s3server import Bucket, fast_config
 from uploader.exceptions import AuthError, BucketNotFound, StorageError, TransientStorageError
@@ -75,3 +75,26 @@ def test_wait_is_false_while_storage_is_down_and_true_once_it_is_back(
     assert uploader.wait(30) is True
     assert uploader.error is None and complete_steps(remote) == [1]
     assert uploader.close() is True
+
+
+@pytest.mark.s3
+def test_closing_after_its_timeout_cuts_a_request_the_server_never_answers(
+    fault_proxy: FaultProxy, s3_bucket: Bucket, local: Path
+) -> None:
+    """A job that gave up on its final upload (--final-upload-timeout) closes its uploader: a request the
+    server holds without an answer kept it (and the job, and its GPU) for the rest of the retry budget,
+    two minutes by default; an hour here. Under torchrun the launcher then killed the rank with the exit
+    code to give."""
+    remote = RecordingRemote(open_remote(s3_bucket.url(), fast_config(fault_proxy.endpoint_url,
+                                                                      max_retry_seconds=3600.0)))
+    fault_proxy.hold("/step-")  # every request about a checkpoint waits in the proxy
+    uploader = BackgroundUploader(remote, keep=3)
+    uploader.submit(make_checkpoint(local, 1))
+    wait_until(lambda: fault_proxy.counters.held > 0, what="the upload's first request held")
+
+    closed: list[bool] = []
+    assert outcome_within(30, lambda: closed.append(uploader.close(timeout=0.5))) is None
+
+    assert closed == [False] and remote.ops("cancel") == [None]
+    fault_proxy.passthrough()
+    assert complete_steps(open_remote(s3_bucket.url(), fast_config(s3_bucket.endpoint_url))) == []
