@@ -6,12 +6,13 @@ stop request, spot notices) and owns only the order of events.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -162,6 +163,15 @@ def _until_exit(stop: StopRequest) -> float | None:
     return None if math.isinf(left) else max(left, 0.0)
 
 
+def _failure_of(work: Callable[[], object]) -> Exception | None:
+    """What ``work`` raised, to be raised on every rank together (distributed.raise_together)."""
+    try:
+        work()
+    except Exception as e:  # noqa: BLE001 - raised by the caller, once every rank has heard of it
+        return e
+    return None
+
+
 def _stop_everywhere(stop: StopRequest) -> None:
     """Collective, where the ranks agreed to stop: a rank that saw no signal itself requests the stop,
     naming the reason another rank has, so that its ledger and events say why it stopped."""
@@ -287,15 +297,19 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
             if spot_handler is not None:
                 checkpoint_now = spot_handler.poll(state) or checkpoint_now
             # One collective per step under torchrun: any rank's signal or due checkpoint counts for all.
-            checkpoint_now, stopping = distributed.agree(checkpoint_now, stop.should_stop(state))
+            failure = _failure_of(store.check) if store is not None else None
+            # One collective per step under torchrun: any rank's signal, due checkpoint or failed upload counts
+            # for all (the uploading ranks' failure reaches the others with its exit code, not as a hang).
+            checkpoint_now, stopping, failed = distributed.agree(checkpoint_now, stop.should_stop(state),
+                                                                 failure is not None)
+            if failed:
+                distributed.raise_together(failure, "upload its checkpoints")
             if stopping:  # at this step on every rank, once: the ledger and the events learn why
                 _stop_everywhere(stop)
             if checkpoint_now:
                 cadence.take(state)
             else:  # a sharded checkpoint in flight completes once every rank has written its part
                 checkpointer.poll()
-            if store is not None:
-                store.check()
 
         def should_stop(state: State) -> bool:
             return stopping if distributed.active() else stop.should_stop(state)
@@ -316,10 +330,12 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
             _stop_for_preemption(state, cadence, store, stop)
             return Outcome(state, preempted=True, writing=checkpointer.busy())
         cadence.save_durable(state)
+        upload_failure = None
         if store is not None:
             checkpointer.announce(state.timer.batch.value)
-            store.wait_final(state.timer.batch.value, ckpt_cfg.folder)
-        distributed.barrier()
+            upload_failure = _failure_of(functools.partial(store.wait_final, state.timer.batch.value, ckpt_cfg.folder))
+        # Also the barrier: no node marks its folder finished before every upload has ended.
+        distributed.raise_together(upload_failure, "upload the final checkpoint")
         if distributed.node_leader():  # on other nodes the folder is empty: their sidecars simply leave
             local.mark_finished(ckpt_cfg.folder, state.timer.batch.value, reason="completed")
         event(logger, "finished", step=state.timer.batch.value, epoch=state.timer.epoch.value,

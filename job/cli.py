@@ -14,6 +14,7 @@ import signal
 import sys
 import tempfile
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, NoReturn
 
@@ -250,7 +251,9 @@ def train(**o: Any) -> None:
                           f"would pass {SEED_LIMIT - 1}; use a seed below {SEED_LIMIT - dist_cfg.world_size + 1}")
     from job.app import train as run_training
 
-    distributed.init(dist_cfg, cfg.device)
+    # The ranks that upload nothing wait in a collective while the others wait for the final upload.
+    distributed.init(replace(dist_cfg, timeout_s=distributed.COLLECTIVE_TIMEOUT_S + remote.final_upload_timeout),
+                     cfg.device)
     stop = StopRequest(grace_period=o["grace_period"])
     stop.install()
     source = make_source(o["spot_notice"], o["spot_endpoint"])

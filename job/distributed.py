@@ -28,6 +28,8 @@ logger = logging.getLogger(__name__)
 PER_RANK_KEYS = ("rng", "train_metrics")
 PER_RANK = "per_rank"
 
+COLLECTIVE_TIMEOUT_S = 600.0
+
 _joined = False  # set once this process joins a process group; stays set after shutdown()
 _kept: list[object] = []  # what holds a process group, never freed before os._exit (keep_until_exit)
 _node = (0, 1)  # (this node's rank, number of nodes): nodes have their own disks (job.checkpoint)
@@ -46,6 +48,9 @@ class DistConfig:
     agent_store: bool = False  # the launcher hosts the store (TORCHELASTIC_USE_AGENT_STORE)
     node_rank: int = 0  # torchrun's GROUP_RANK: which node (launcher) this process runs on
     local_world_size: int = 1  # processes per node (LOCAL_WORLD_SIZE)
+    # How long a collective waits for the slowest rank before the run fails: a hang's limit, and longer than
+    # the uploading ranks' wait for the final upload (--final-upload-timeout), which the others spend in one.
+    timeout_s: float = COLLECTIVE_TIMEOUT_S
 
     @property
     def nodes(self) -> int:
@@ -69,7 +74,7 @@ def init(cfg: DistConfig, device: str) -> None:
     _joined = True
     if device == "cuda":
         torch.cuda.set_device(cfg.local_rank)
-    backend, timeout = ("nccl" if device == "cuda" else "gloo"), datetime.timedelta(minutes=10)
+    backend, timeout = ("nccl" if device == "cuda" else "gloo"), datetime.timedelta(seconds=cfg.timeout_s)
     if not cfg.master_port:
         dist.init_process_group(backend, init_method="env://", timeout=timeout)
         return

@@ -11,7 +11,7 @@ import pytest
 
 from tests.support.checkpoints import corrupt_file
 from tests.support.disk import limit_file_size
-from tests.support.jobs import JobProcess, events, inspect, job_env
+from tests.support.jobs import JobProcess, events, inspect, job_env, s3_job_env
 from tests.support.polling import wait_until
 from tests.support.procs import worker_of_rank
 from uploader.local import list_committed
@@ -88,7 +88,6 @@ def test_elastic_restart_after_one_rank_is_killed_completes(spawn, tmp_path, uni
 def test_sharded_checkpoints_round_trip_through_the_bucket(spawn, tmp_path, s3_bucket):
     """FSDP2: each rank writes its shards (DCP); the manifest lists every file; a new machine resumes from the bucket."""
     from tests.job.test_remote import remote_steps
-    from tests.support.jobs import s3_job_env
 
     sharded = ["--sharded"]
     straight = tmp_path / "straight"
@@ -154,12 +153,39 @@ def test_when_rank_0_cannot_write_a_checkpoint_every_rank_exits_7_and_says_why(t
                       env=job_env(), preexec_fn=limit_file_size(16 * 1024))
     done.wait(180)
 
-    errors = sorted(line for line in done.stderr.splitlines() if line.startswith("job: error:"))
-    assert len(errors) == 2, done.stderr[-3000:]
-    assert all("cannot write a checkpoint to" in line and "previous checkpoint is untouched" in line for line in errors)
-    assert "rank 0 could not write its checkpoint (CheckpointWriteError: " in errors[1]
-    assert re.findall(r"exitcode\s*: (\d+) \(pid", done.stderr) == ["7", "7"]  # torchrun's summary of both
-    assert "Connection closed" not in done.stderr and list_committed(folder) == []
+    own, told = every_rank_failed(done.stderr, 7, "write its checkpoint")
+    assert own.startswith("job: error: cannot write a checkpoint to") and "previous checkpoint is untouched" in own
+    assert "(CheckpointWriteError: cannot write a checkpoint to" in told and list_committed(folder) == []
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize(("fault", "code", "what"), [
+    ("denied", 3, "upload its checkpoints"),  # mid-run: the credentials lost the right to write there
+    ("held", 5, "upload the final checkpoint"),  # past --final-upload-timeout
+])
+def test_when_rank_0_cannot_upload_every_rank_exits_with_its_code(fault_proxy, s3_bucket, tmp_path, fault, code,
+                                                                   what):
+    """Rank 0 alone uploads an unsharded run's checkpoints; its failure once reached rank 1 as a closed
+    connection (exit 1), or, past the final upload's wait, as a timed-out barrier."""
+    env = {**s3_job_env(s3_bucket), "JOB_ENDPOINT_URL": fault_proxy.endpoint_url}
+    (fault_proxy.deny if fault == "denied" else fault_proxy.hold)(f"/{s3_bucket.name}/run/step-")
+    done = JobProcess(torchrun() + ["--model", "mlp", "--max-duration", "30ba", "--save-folder", str(tmp_path / "ck"),
+                                    "--remote", s3_bucket.url("run"), "--final-upload-timeout", "2"], env=env)
+    done.wait(180)
+
+    own, told = every_rank_failed(done.stderr, code, what)
+    assert s3_bucket.name in own and own.removeprefix("job: error: ") in told
+
+
+def every_rank_failed(stderr: str, code: int, what: str) -> tuple[str, str]:
+    """Both ranks exited ``code``, rank 0 with its own error line, rank 1 naming it as what rank 0 could not
+    do; the two lines."""
+    errors = [line for line in stderr.splitlines() if line.startswith("job: error:")]
+    told = [line for line in errors if f"job: error: rank 0 could not {what} (" in line]
+    assert len(errors) == 2 and len(told) == 1, stderr[-3000:]
+    assert re.findall(r"exitcode\s*: (\d+) \(pid", stderr) == [str(code)] * 2  # torchrun's summary of both
+    assert "Connection closed" not in stderr
+    return next(line for line in errors if line not in told), told[0]
 
 
 @pytest.mark.parametrize("late", [False, True], ids=["mid-run", "after-the-last-step"])

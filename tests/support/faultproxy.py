@@ -22,6 +22,9 @@ Faults can be switched while traffic flows:
 * ``refuse_header(prefix)``: requests with a header whose name starts with ``prefix`` are answered
   ``501 Not Implemented`` (S3's ``NotImplemented``) without reaching the server: a server that
   rejects what it does not support;
+* ``deny(fragment)``: requests whose request line contains ``fragment`` (a key) are answered ``403
+  Forbidden`` (``AccessDenied``) without reaching the server: credentials that lost the right to write
+  there (a policy changed, a role expired) while others still work;
 * ``hold(fragment)``: requests whose request line contains ``fragment`` (a key) wait in the proxy,
   not forwarded, until ``passthrough()``; ``counters.held`` counts them. An upload of that key is then
   surely in flight, whatever the pace of the client: a slow link without the race of switching it on;
@@ -55,6 +58,7 @@ def s3_error(status: str, code: str, message: str) -> bytes:
 SLOW_DOWN = s3_error("503 Slow Down", "SlowDown", "Please reduce your request rate.")
 NOT_IMPLEMENTED = s3_error("501 Not Implemented", "NotImplemented",
                            "A header you provided implies functionality that is not implemented.")
+ACCESS_DENIED = s3_error("403 Forbidden", "AccessDenied", "Access Denied")
 BUFFER = 64 * 1024
 
 
@@ -98,6 +102,7 @@ class FaultProxy:
         self._strip: bytes | None = None
         self._refuse: str | None = None
         self._hold: str | None = None
+        self._deny: str | None = None
         self._released = threading.Condition(self._lock)
         self._sockets: set[socket.socket] = set()
         self._listener = socket.create_server((LOOPBACK, 0))
@@ -114,7 +119,7 @@ class FaultProxy:
     def passthrough(self) -> None:
         with self._lock:
             self._reset_after, self._reset_times, self._slowdowns, self._delay = None, None, 0, 0.0
-            self._trickle, self._hold, self._reset_on = None, None, None
+            self._trickle, self._hold, self._reset_on, self._deny = None, None, None, None
             self._generation += 1
             self._released.notify_all()
 
@@ -147,6 +152,10 @@ class FaultProxy:
     def refuse_header(self, prefix: str) -> None:
         with self._lock:
             self._refuse = prefix.lower()
+
+    def deny(self, fragment: str) -> None:
+        with self._lock:
+            self._deny = fragment
 
     def hold(self, fragment: str) -> None:
         with self._lock:
@@ -201,6 +210,13 @@ class FaultProxy:
     def _refuses(self, headers: dict[str, str]) -> bool:
         with self._lock:
             if self._refuse is None or not any(name.startswith(self._refuse) for name in headers):
+                return False
+            self.counters.refused += 1
+            return True
+
+    def _denies(self, request_line: str) -> bool:
+        with self._lock:
+            if self._deny is None or self._deny not in request_line:
                 return False
             self.counters.refused += 1
             return True
@@ -284,7 +300,8 @@ class _Connection:
                 self.proxy._wait_if_held(request_line)
                 self.request_line = request_line
                 for answer, refused in ((SLOW_DOWN, self.proxy._take_slowdown),
-                                        (NOT_IMPLEMENTED, lambda: self.proxy._refuses(headers))):
+                                        (NOT_IMPLEMENTED, lambda: self.proxy._refuses(headers)),
+                                        (ACCESS_DENIED, lambda: self.proxy._denies(request_line))):
                     if refused():
                         if "100-continue" not in headers.get("expect", "").lower():
                             buf = self._discard(buf, length)
