@@ -402,12 +402,12 @@ class S3Remote:
                                                         Range=f"bytes={first}-{last}", **same_object)
                     except boto_errors.ClientError as e:
                         if error_code(e)[1] in _CHANGED_STATUSES:
-                            raise self._changed(key, describe(e)) from None
+                            raise self._changed(key, describe(e), info) from None
                         raise
                     with contextlib.closing(reply["Body"]) as body:
                         problem = _range_problem(reply, first, last, size)
                         if problem is not None:
-                            raise self._changed(key, problem)
+                            raise self._changed(key, problem, info)
                         if not hasattr(buffers, "chunk"):
                             buffers.chunk = bytearray(STREAM_CHUNK)
                         # Each attempt hashes afresh: a retried range must not count its first bytes twice.
@@ -432,9 +432,16 @@ class S3Remote:
         if received.hexdigest() != digest:
             raise CorruptCheckpoint(f"{self.url}/{key} fails its {algorithm} check")
 
-    def _changed(self, key: str, why: str) -> CorruptCheckpoint:
-        """The object was replaced or deleted while it was downloaded: whatever it holds now, this download
-        is not of one object that matches the manifest. Never retried: each range would see the same."""
+    def _changed(self, key: str, why: str, seen: ObjectInfo) -> UploaderError:
+        """A ranged GET's answer says the object is no longer the one its HEAD saw (``why``). Replaced or
+        deleted meanwhile: whatever it holds now, this download is not of one object that matches the
+        manifest (CorruptCheckpoint, never retried: each range would see the same). Unless a HEAD still
+        finds the same object: then the server answers If-Match or Range wrongly, which says nothing about
+        the checkpoint, and must not get it set aside (StorageError)."""
+        now = self.head(key)
+        if now is not None and (now.etag, now.size) == (seen.etag, seen.size):
+            return StorageError(f"{self.url}/{key}: {self.describe()} answered a ranged GET of the object it "
+                                f"holds with {why}; it does not support If-Match and Range as S3 does")
         return CorruptCheckpoint(f"{self.url}/{key} changed while it was downloaded ({why})")
 
     def copy(self, source: str, dest: str, *, size: int) -> None:

@@ -22,9 +22,10 @@ Faults can be switched while traffic flows:
 * ``refuse_header(prefix)``: requests with a header whose name starts with ``prefix`` are answered
   ``501 Not Implemented`` (S3's ``NotImplemented``) without reaching the server: a server that
   rejects what it does not support;
-* ``deny(fragment)``: requests whose request line contains ``fragment`` (a key) are answered ``403
-  Forbidden`` (``AccessDenied``) without reaching the server: credentials that lost the right to write
-  there (a policy changed, a role expired) while others still work;
+* ``deny(fragment, answer=ACCESS_DENIED)``: requests whose request line contains ``fragment`` (a key) are
+  answered ``answer`` (by default ``403 Forbidden``, ``AccessDenied``) without reaching the server:
+  credentials that lost the right to write there (a policy changed, a role expired) while others still
+  work, or a server that answers some requests wrongly;
 * ``hold(fragment)``: requests whose request line contains ``fragment`` (a key) wait in the proxy,
   not forwarded, until ``passthrough()``; ``counters.held`` counts them. An upload of that key is then
   surely in flight, whatever the pace of the client: a slow link without the race of switching it on;
@@ -59,6 +60,8 @@ SLOW_DOWN = s3_error("503 Slow Down", "SlowDown", "Please reduce your request ra
 NOT_IMPLEMENTED = s3_error("501 Not Implemented", "NotImplemented",
                            "A header you provided implies functionality that is not implemented.")
 ACCESS_DENIED = s3_error("403 Forbidden", "AccessDenied", "Access Denied")
+PRECONDITION_FAILED = s3_error("412 Precondition Failed", "PreconditionFailed",
+                               "At least one of the pre-conditions you specified did not hold")
 BUFFER = 64 * 1024
 
 
@@ -102,7 +105,7 @@ class FaultProxy:
         self._strip: bytes | None = None
         self._refuse: str | None = None
         self._hold: str | None = None
-        self._deny: str | None = None
+        self._deny: tuple[str, bytes] | None = None
         self._released = threading.Condition(self._lock)
         self._sockets: set[socket.socket] = set()
         self._listener = socket.create_server((LOOPBACK, 0))
@@ -153,9 +156,9 @@ class FaultProxy:
         with self._lock:
             self._refuse = prefix.lower()
 
-    def deny(self, fragment: str) -> None:
+    def deny(self, fragment: str, answer: bytes = ACCESS_DENIED) -> None:
         with self._lock:
-            self._deny = fragment
+            self._deny = fragment, answer
 
     def hold(self, fragment: str) -> None:
         with self._lock:
@@ -214,12 +217,12 @@ class FaultProxy:
             self.counters.refused += 1
             return True
 
-    def _denies(self, request_line: str) -> bool:
+    def _denial(self, request_line: str) -> bytes | None:
         with self._lock:
-            if self._deny is None or self._deny not in request_line:
-                return False
+            if self._deny is None or self._deny[0] not in request_line:
+                return None
             self.counters.refused += 1
-            return True
+            return self._deny[1]
 
     def _take_corruption(self, length: int) -> bool:
         with self._lock:
@@ -299,9 +302,10 @@ class _Connection:
                     self.methods.append(request_line.split(" ", 1)[0])
                 self.proxy._wait_if_held(request_line)
                 self.request_line = request_line
+                denial = self.proxy._denial(request_line)
                 for answer, refused in ((SLOW_DOWN, self.proxy._take_slowdown),
                                         (NOT_IMPLEMENTED, lambda: self.proxy._refuses(headers)),
-                                        (ACCESS_DENIED, lambda: self.proxy._denies(request_line))):
+                                        (denial or b"", lambda: denial is not None)):
                     if refused():
                         if "100-continue" not in headers.get("expect", "").lower():
                             buf = self._discard(buf, length)

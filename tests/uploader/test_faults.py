@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 
 from tests.support.checkpoints import WITH_LARGE_FILE, complete_steps, data_files_of, make_checkpoint
-from tests.support.faultproxy import FaultProxy
+from tests.support.faultproxy import PRECONDITION_FAILED, FaultProxy
 from tests.support.polling import wait_until
 from tests.support.s3server import ADMIN, READER, Bucket, Credentials, fast_config
 from tests.support.uploader_cli import cli_env, run_cli
 from uploader.config import MiB
-from uploader.exceptions import TransientStorageError
+from uploader.exceptions import StorageError, TransientStorageError
 from uploader.remote import Remote, open_remote
-from uploader.sync import pull_newest, push
+from uploader.sync import list_set_aside, pull_newest, push
 
 pytestmark = pytest.mark.s3
 
@@ -110,10 +110,7 @@ def test_an_object_replaced_while_it_downloads_is_a_changed_checkpoint(
     """The HEAD saw one object, the ranged GETs find another. A shorter one was read as the network failing:
     ranges that ended early, retried for the whole budget, then exit 5. Nor may the ranges mix two objects.
     It is a checkpoint that no longer matches its manifest: the pull takes the one before, at once."""
-    local, direct = tmp_path / "local", open_remote(s3_bucket.url(), fast_config(s3_bucket.endpoint_url))
-    for step in (5, 10):
-        push(make_checkpoint(local, step, WITH_LARGE_FILE), direct, keep=3)
-    key = "step-000000000010/big.bin"
+    direct, key = steps_5_and_10(s3_bucket, tmp_path / "local"), "step-000000000010/big.bin"
     fault_proxy.hold(f"GET /{s3_bucket.name}/ckpt/{key} ")  # the HEAD goes through, the GETs wait
     with ThreadPoolExecutor(1) as pool, caplog.at_level(logging.INFO):
         pulling = pool.submit(pull_newest, via(fault_proxy, s3_bucket), tmp_path / "restore")
@@ -126,6 +123,28 @@ def test_an_object_replaced_while_it_downloads_is_a_changed_checkpoint(
     assert f"{key} changed while it was downloaded" in caplog.text
     assert "retry 1 of" not in caplog.text  # no range was tried again: each would find the same
     assert complete_steps(direct) == [5]  # the changed one set aside, as any that fails verification
+
+
+def test_a_server_that_answers_if_match_wrongly_stops_the_pull_and_sets_nothing_aside(
+    fault_proxy: FaultProxy, s3_bucket: Bucket, tmp_path: Path
+) -> None:
+    """412 to a ranged GET of the object a HEAD still finds unchanged: the server's fault, not the
+    checkpoint's. Read as a change, every checkpoint would have been set aside in turn."""
+    direct = steps_5_and_10(s3_bucket, tmp_path / "local")
+    fault_proxy.deny(f"GET /{s3_bucket.name}/ckpt/step-000000000010/big.bin ", PRECONDITION_FAILED)
+
+    with pytest.raises(StorageError, match="does not support If-Match and Range as S3 does"):
+        pull_newest(via(fault_proxy, s3_bucket), tmp_path / "restore")
+
+    assert complete_steps(direct) == [5, 10] and list_set_aside(direct) == []
+
+
+def steps_5_and_10(bucket: Bucket, local: Path) -> Remote:
+    """Two checkpoints in the bucket, with a file of several ranges each; the bucket, not through the proxy."""
+    direct = open_remote(bucket.url(), fast_config(bucket.endpoint_url))
+    for step in (5, 10):
+        push(make_checkpoint(local, step, WITH_LARGE_FILE), direct, keep=3)
+    return direct
 
 
 WRONG_SECRET = Credentials(ADMIN.access_key, "not-the-secret-0123456789")
