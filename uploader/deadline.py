@@ -149,8 +149,12 @@ class Watchdog:
             while self._attempts:
                 now = time.monotonic()
                 for attempt in self._attempts:
-                    if attempt.abort is not None and not attempt.aborted and attempt.abort():
-                        attempt.aborted = True
+                    if attempt.abort is not None and not attempt.aborted:
+                        try:
+                            attempt.aborted = bool(attempt.abort())
+                        except Exception:  # noqa: BLE001 - a bug in a caller's predicate must not end the watchdog
+                            logger.exception("an abort predicate failed; its attempt keeps its deadline only")
+                            attempt.abort = None
                 late = [a for a in self._attempts if a.deadline <= now or a.aborted]
                 for attempt in late:
                     self._cut(attempt)

@@ -402,19 +402,22 @@ class S3Remote:
                                                         Range=f"bytes={first}-{last}", **same_object)
                     except boto_errors.ClientError as e:
                         if error_code(e)[1] in _CHANGED_STATUSES:
-                            raise self._changed(key, describe(e), info) from None
+                            raise _Changed(describe(e)) from None
                         raise
                     with contextlib.closing(reply["Body"]) as body:
                         problem = _range_problem(reply, first, last, size)
                         if problem is not None:
-                            raise self._changed(key, problem, info)
+                            raise _Changed(problem)
                         if not hasattr(buffers, "chunk"):
                             buffers.chunk = bytearray(STREAM_CHUNK)
                         # Each attempt hashes afresh: a retried range must not count its first bytes twice.
                         _stream_into(body, dest, first, last - first + 1, buffers.chunk, write_lock,
                                      received.part(first))
 
-                self._call(f"GET {key} bytes {first}-{last}", op, should_abort)
+                try:
+                    self._call(f"GET {key} bytes {first}-{last}", op, should_abort)
+                except _Changed as e:  # looked into here, outside the range's attempt and its connection
+                    raise self._changed(key, str(e), info) from None
                 return span
 
             window = max(1, min(self.config.concurrency, len(ranges)))
@@ -593,8 +596,8 @@ class S3Remote:
         try:
             bounded(time.monotonic() + budget, functools.partial(
                 self._client.abort_multipart_upload, Bucket=self.bucket, Key=full_key, UploadId=upload_id
-            ), budget)
-        except (boto_errors.BotoCoreError, boto_errors.ClientError, DeadlineExceeded) as e:
+            ), budget, self._cancelled.is_set)  # a cancelled remote's server may be the silent one: not now
+        except (boto_errors.BotoCoreError, boto_errors.ClientError, DeadlineExceeded, Aborted) as e:
             logger.warning("could not abort the multipart upload of %s (%s); it holds storage until a "
                            "lifecycle rule removes it", full_key, describe(e))
 
@@ -670,6 +673,10 @@ def _either(failed: threading.Event | None, abort: threading.Event | None) -> Ca
     if not events:
         return None
     return lambda: any(e.is_set() for e in events)
+
+
+class _Changed(Exception):
+    """A ranged GET's answer says the object is not the one the download's HEAD saw (S3Remote._changed)."""
 
 
 def _range_problem(reply: dict[str, Any], first: int, last: int, size: int) -> str | None:

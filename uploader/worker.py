@@ -23,6 +23,10 @@ from uploader.sync import push
 
 logger = logging.getLogger(__name__)
 
+# After close()'s timeout: how long the thread has to stop on its own (it checks the abort between
+# requests) before the requests in flight are cut (Remote.cancel).
+ABORT_GRACE = 1.0
+
 
 class BackgroundUploader:
     """One daemon thread, at most one checkpoint queued behind the one uploading."""
@@ -106,10 +110,14 @@ class BackgroundUploader:
         self._thread.join(timeout)
         if self._thread.is_alive():
             self._abort.set()
-            self._remote.cancel()  # a request hanging on a silent server is cut now, not at its retry budget
             with self._cond:
                 self._cond.notify_all()
-            self._thread.join()
+            # An idle thread, or an upload between two requests, stops at once; a request hanging on a silent
+            # server is cut, not left to its retry budget. Not before: the run log still goes up (below).
+            self._thread.join(ABORT_GRACE)
+            if self._thread.is_alive():
+                self._remote.cancel()
+                self._thread.join()
         # The last records (a life's end) after the last checkpoint: a few KiB, and the checkpoints came first.
         # Only while the storage works: after a failed or aborted upload, one more operation could only
         # spend its whole retry budget on the way out (the next life uploads the records).

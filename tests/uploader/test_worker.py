@@ -7,13 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.checkpoints import complete_steps, make_checkpoint
+from tests.support.checkpoints import SMALL_FILES, complete_steps, make_checkpoint
 from tests.support.faultproxy import FaultProxy
 from tests.support.polling import outcome_within, wait_until
 from tests.support.recording import RecordingRemote
 from tests.support.s3server import Bucket, fast_config
+from uploader.config import MiB
 from uploader.exceptions import AuthError, BucketNotFound, StorageError, TransientStorageError
 from uploader.remote import open_remote
+from uploader.runlog import RunlogMirror
 from uploader.worker import BackgroundUploader
 
 
@@ -78,18 +80,22 @@ def test_wait_is_false_while_storage_is_down_and_true_once_it_is_back(
 
 
 @pytest.mark.s3
+@pytest.mark.parametrize(("files", "held"), [
+    (SMALL_FILES, "/step-"),  # every request about the checkpoint
+    ({"state.pt": 12 * MiB}, "uploadId="),  # the parts, and the multipart upload's abort after the cut
+], ids=["single", "multipart"])
 def test_closing_after_its_timeout_cuts_a_request_the_server_never_answers(
-    fault_proxy: FaultProxy, s3_bucket: Bucket, local: Path
+    fault_proxy: FaultProxy, s3_bucket: Bucket, local: Path, files: dict[str, int], held: str
 ) -> None:
     """A job that gave up on its final upload (--final-upload-timeout) closes its uploader: a request the
     server holds without an answer kept it (and the job, and its GPU) for the rest of the retry budget,
     two minutes by default; an hour here. Under torchrun the launcher then killed the rank with the exit
     code to give."""
     remote = RecordingRemote(open_remote(s3_bucket.url(), fast_config(fault_proxy.endpoint_url,
-                                                                      max_retry_seconds=3600.0)))
-    fault_proxy.hold("/step-")  # every request about a checkpoint waits in the proxy
+                                                                      max_retry_seconds=3600.0, read_timeout=3600.0)))
+    fault_proxy.hold(held)  # those requests wait in the proxy
     uploader = BackgroundUploader(remote, keep=3)
-    uploader.submit(make_checkpoint(local, 1))
+    uploader.submit(make_checkpoint(local, 1, files))
     wait_until(lambda: fault_proxy.counters.held > 0, what="the upload's first request held")
 
     closed: list[bool] = []
@@ -98,3 +104,22 @@ def test_closing_after_its_timeout_cuts_a_request_the_server_never_answers(
     assert closed == [False] and remote.ops("cancel") == [None]
     fault_proxy.passthrough()
     assert complete_steps(open_remote(s3_bucket.url(), fast_config(s3_bucket.endpoint_url))) == []
+
+
+@pytest.mark.s3
+def test_an_idle_uploader_closed_at_once_still_uploads_the_run_log(s3_bucket: Bucket, local: Path) -> None:
+    """A preempted or failed job closes its uploader with no time to wait (timeout 0); the life's last
+    record, written just before, must still go up: the next life and `job report` read it there."""
+    remote = RecordingRemote(open_remote(s3_bucket.url(), fast_config(s3_bucket.endpoint_url)))
+    record = local / "runlog" / "ledger" / "life-1.json"
+    record.parent.mkdir(parents=True)
+    record.write_text('{"end": null}')
+    uploader = BackgroundUploader(remote, keep=3, runlog=RunlogMirror(local, remote))
+    uploader.submit(make_checkpoint(local, 1))
+    assert uploader.wait(30) is True
+    record.write_text('{"end": "preempted"}')  # the ledger's final record
+
+    uploader.close(timeout=0)
+
+    assert remote.inner.read_bytes("runlog/ledger/life-1.json") == b'{"end": "preempted"}'
+    assert remote.ops("cancel") == []
