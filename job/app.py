@@ -209,13 +209,17 @@ def _stop_for_preemption(state: State, cadence: CheckpointCadence, store: Remote
               seconds_needed=round(needed, 1), kept_step=kept,
               message="no time for a final checkpoint; exiting before the kill with the previous one")
     uploaded: bool | None = None  # null in the event: this job does not upload (no remote, sidecar, off)
+    failure = None
     if store is not None and store.uploads and kept is not None:
         cadence.checkpointer.announce(kept)
-        uploaded = store.wait(_until_exit(stop))
-        if not uploaded:
+        try:
+            uploaded = store.wait(_until_exit(stop))
+        except Exception as e:  # noqa: BLE001 - raised on every rank together, below
+            failure = e
+        if uploaded is False:
             logger.warning("the final checkpoint did not finish uploading within the grace period; it stays in "
                            "%s for a sidecar or the next start", cadence.checkpointer.folder)
-    distributed.barrier()
+    distributed.raise_together(failure, "upload its checkpoints")  # also the barrier before FINISHED
     if kept is not None and distributed.node_leader():  # every node's sidecar may leave
         local.mark_finished(cadence.checkpointer.folder, kept, reason="preempted")
     event(logger, "preempted", step=step, checkpoint_step=kept, writing_step=writing if writing != kept else None,

@@ -252,8 +252,9 @@ def train(**o: Any) -> None:
     from job.app import train as run_training
 
     # The ranks that upload nothing wait in a collective while the others wait for the final upload.
-    distributed.init(replace(dist_cfg, timeout_s=distributed.COLLECTIVE_TIMEOUT_S + remote.final_upload_timeout),
-                     cfg.device)
+    uploads_here = bool(remote.url) and remote.mode == "inprocess"
+    extra = remote.final_upload_timeout if uploads_here else 0.0
+    distributed.init(replace(dist_cfg, timeout_s=distributed.COLLECTIVE_TIMEOUT_S + extra), cfg.device)
     stop = StopRequest(grace_period=o["grace_period"])
     stop.install()
     source = make_source(o["spot_notice"], o["spot_endpoint"])

@@ -159,18 +159,23 @@ def test_when_rank_0_cannot_write_a_checkpoint_every_rank_exits_7_and_says_why(t
 
 
 @pytest.mark.s3
-@pytest.mark.parametrize(("fault", "code", "what"), [
-    ("denied", 3, "upload its checkpoints"),  # mid-run: the credentials lost the right to write there
-    ("held", 5, "upload the final checkpoint"),  # past --final-upload-timeout
+@pytest.mark.parametrize(("fault", "when", "code", "what"), [
+    ("denied", "mid-run", 3, "upload its checkpoints"),  # the credentials lost the right to write there
+    ("held", "at the end", 5, "upload the final checkpoint"),  # past --final-upload-timeout
+    ("denied", "preempted", 3, "upload its checkpoints"),  # the preemption's upload: the only one of the run
 ])
-def test_when_rank_0_cannot_upload_every_rank_exits_with_its_code(fault_proxy, s3_bucket, tmp_path, fault, code,
-                                                                   what):
+def test_when_rank_0_cannot_upload_every_rank_exits_with_its_code(fault_proxy, s3_bucket, tmp_path, fault, when,
+                                                                   code, what):
     """Rank 0 alone uploads an unsharded run's checkpoints; its failure once reached rank 1 as a closed
     connection (exit 1), or, past the final upload's wait, as a timed-out barrier."""
     env = {**s3_job_env(s3_bucket), "JOB_ENDPOINT_URL": fault_proxy.endpoint_url}
     (fault_proxy.deny if fault == "denied" else fault_proxy.hold)(f"/{s3_bucket.name}/run/step-")
-    done = JobProcess(torchrun() + ["--model", "mlp", "--max-duration", "30ba", "--save-folder", str(tmp_path / "ck"),
-                                    "--remote", s3_bucket.url("run"), "--final-upload-timeout", "2"], env=env)
+    argv = torchrun() + ["--model", "mlp", "--max-duration", "30ba", "--save-folder", str(tmp_path / "ck"),
+                         "--remote", s3_bucket.url("run"), "--final-upload-timeout", "2"]
+    if when == "preempted":  # no checkpoint before the one the stop takes; SIGTERM to rank 1 after the last step
+        argv[argv.index("job")] = "tests.support.late_signal_job"
+        argv += ["--save-interval", "1000ba"]
+    done = JobProcess(argv, env=env)
     done.wait(180)
 
     own, told = every_rank_failed(done.stderr, code, what)
