@@ -23,9 +23,11 @@ from uploader.sync import push
 
 logger = logging.getLogger(__name__)
 
-# After close()'s timeout: how long the thread has to stop on its own (it checks the abort between
-# requests) before the requests in flight are cut (Remote.cancel).
+# After close()'s timeout: how long the thread has to stop on its own (an upload reads the abort before
+# each file, part and range, and between attempts) before the requests in flight are cut (Remote.cancel).
 ABORT_GRACE = 1.0
+# close() with a timeout: how long the run log's last upload may take before it is cut (a silent server).
+RUNLOG_GRACE = 2.0
 
 
 class BackgroundUploader:
@@ -107,6 +109,7 @@ class BackgroundUploader:
         with self._cond:
             self._closing = True
             self._cond.notify_all()
+        cancelled = False
         self._thread.join(timeout)
         if self._thread.is_alive():
             self._abort.set()
@@ -117,12 +120,21 @@ class BackgroundUploader:
             self._thread.join(ABORT_GRACE)
             if self._thread.is_alive():
                 self._remote.cancel()
+                cancelled = True
                 self._thread.join()
         # The last records (a life's end) after the last checkpoint: a few KiB, and the checkpoints came first.
         # Only while the storage works: after a failed or aborted upload, one more operation could only
         # spend its whole retry budget on the way out (the next life uploads the records).
-        if self._error is None:
-            self._mirror_runlog()
+        if self._error is None and not cancelled:  # (a cancelled remote refuses every request)
+            if timeout is None:
+                self._mirror_runlog()
+            else:  # a job with no time left: a silent server's request is cut after a short grace
+                timer = threading.Timer(RUNLOG_GRACE, self._remote.cancel)
+                timer.start()
+                try:
+                    self._mirror_runlog()
+                finally:
+                    timer.cancel()
         with self._cond:
             return self._queued is None and self._error is None
 
