@@ -251,9 +251,10 @@ def train(**o: Any) -> None:
                           f"would pass {SEED_LIMIT - 1}; use a seed below {SEED_LIMIT - dist_cfg.world_size + 1}")
     from job.app import train as run_training
 
-    # The ranks that upload nothing wait in a collective while the others wait for the final upload.
+    # The ranks that upload nothing wait in a collective while the others wait for the final upload (at the end
+    # of training, or within the grace period at a preemption).
     uploads_here = bool(remote.url) and remote.mode == "inprocess"
-    extra = remote.final_upload_timeout if uploads_here else 0.0
+    extra = max(remote.final_upload_timeout, o["grace_period"]) if uploads_here else 0.0
     distributed.init(replace(dist_cfg, timeout_s=distributed.COLLECTIVE_TIMEOUT_S + extra), cfg.device)
     stop = StopRequest(grace_period=o["grace_period"])
     stop.install()
