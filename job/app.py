@@ -164,7 +164,7 @@ def _until_exit(stop: StopRequest) -> float | None:
 
 
 def _failure_of(work: Callable[[], object]) -> Exception | None:
-    """What ``work`` raised, to be raised on every rank together (distributed.raise_together)."""
+    """What ``work`` raised, for the per-step agree to tell every rank of (then distributed.raise_together)."""
     try:
         work()
     except Exception as e:  # noqa: BLE001 - raised by the caller, once every rank has heard of it
@@ -208,18 +208,15 @@ def _stop_for_preemption(state: State, cadence: CheckpointCadence, store: Remote
         event(logger, "grace_too_short", level=logging.WARNING, step=step, seconds_left=round(stop.time_left(), 1),
               seconds_needed=round(needed, 1), kept_step=kept,
               message="no time for a final checkpoint; exiting before the kill with the previous one")
-    uploaded: bool | None = None  # null in the event: this job does not upload (no remote, sidecar, off)
-    failure = None
+    upload = None
     if store is not None and store.uploads and kept is not None:
         cadence.checkpointer.announce(kept)
-        try:
-            uploaded = store.wait(_until_exit(stop))
-        except Exception as e:  # noqa: BLE001 - raised on every rank together, below
-            failure = e
-        if uploaded is False:
-            logger.warning("the final checkpoint did not finish uploading within the grace period; it stays in "
-                           "%s for a sidecar or the next start", cadence.checkpointer.folder)
-    distributed.raise_together(failure, "upload its checkpoints")  # also the barrier before FINISHED
+        upload = functools.partial(store.wait, _until_exit(stop))
+    # Null in the event where this job does not upload (no remote, sidecar, off). Also the barrier before FINISHED.
+    uploaded = distributed.run_together(upload, "upload its checkpoints")
+    if uploaded is False:
+        logger.warning("the final checkpoint did not finish uploading within the grace period; it stays in "
+                       "%s for a sidecar or the next start", cadence.checkpointer.folder)
     if kept is not None and distributed.node_leader():  # every node's sidecar may leave
         local.mark_finished(cadence.checkpointer.folder, kept, reason="preempted")
     event(logger, "preempted", step=step, checkpoint_step=kept, writing_step=writing if writing != kept else None,
@@ -300,7 +297,6 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
             checkpoint_now = cadence.due(state, epoch_ended)
             if spot_handler is not None:
                 checkpoint_now = spot_handler.poll(state) or checkpoint_now
-            # One collective per step under torchrun: any rank's signal or due checkpoint counts for all.
             failure = _failure_of(store.check) if store is not None else None
             # One collective per step under torchrun: any rank's signal, due checkpoint or failed upload counts
             # for all (the uploading ranks' failure reaches the others with its exit code, not as a hang).
@@ -334,12 +330,12 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
             _stop_for_preemption(state, cadence, store, stop)
             return Outcome(state, preempted=True, writing=checkpointer.busy())
         cadence.save_durable(state)
-        upload_failure = None
+        final_upload = None
         if store is not None:
             checkpointer.announce(state.timer.batch.value)
-            upload_failure = _failure_of(functools.partial(store.wait_final, state.timer.batch.value, ckpt_cfg.folder))
+            final_upload = functools.partial(store.wait_final, state.timer.batch.value, ckpt_cfg.folder)
         # Also the barrier: no node marks its folder finished before every upload has ended.
-        distributed.raise_together(upload_failure, "upload the final checkpoint")
+        distributed.run_together(final_upload, "upload the final checkpoint")
         if distributed.node_leader():  # on other nodes the folder is empty: their sidecars simply leave
             local.mark_finished(ckpt_cfg.folder, state.timer.batch.value, reason="completed")
         event(logger, "finished", step=state.timer.batch.value, epoch=state.timer.epoch.value,

@@ -9,6 +9,7 @@ over job.dcp_storage); this module hashes their files and commits them like any 
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import logging
 import os
@@ -134,7 +135,6 @@ class Checkpointer:
     def save_async(self, state: State) -> bool:
         """Snapshot ``state`` and write it in the background; False (nothing done) while one is in flight."""
         if self.sharded:
-            self._raise_background_error()
             return self._save_sharded_async(state)
         distributed.raise_together(self._take_background_error(), "write its checkpoint")
         (busy,) = distributed.agree(self.in_flight())
@@ -176,13 +176,8 @@ class Checkpointer:
                 ckpt = self._save_sharded_now(state)
             else:
                 tree = distributed.gather_per_rank(state.state_dict())
-                ckpt, error = None, None
-                if distributed.rank() == 0:
-                    try:
-                        ckpt = self._write(tree, state.timer.batch.value, state.timer.state_dict())
-                    except Exception as e:  # noqa: BLE001 - raised below, once every rank has heard of it
-                        error = e
-                distributed.raise_together(error, "write its checkpoint")
+                write = functools.partial(self._write, tree, state.timer.batch.value, state.timer.state_dict())
+                ckpt = distributed.run_together(write if distributed.rank() == 0 else None, "write its checkpoint")
         finally:
             self._durable_since = None
         distributed.barrier()  # no rank goes on (or exits) before the checkpoint is durable
@@ -425,11 +420,6 @@ class Checkpointer:
         if error is not None:  # the caller is already raising the first failure
             logger.warning("the checkpoint in flight failed too: %s", error)
         return done
-
-    def _raise_background_error(self) -> None:
-        error = self._take_background_error()
-        if error is not None:
-            raise error
 
     def _take_background_error(self) -> BaseException | None:
         error, self._error = self._error, None

@@ -217,6 +217,20 @@ def raise_together(error: BaseException | None, what: str) -> None:
             raise OtherRankError(f"rank {failed_rank} could not {what} ({why[0]})", why[1])
 
 
+def run_together(work: Callable[[], T] | None, what: str) -> T | None:
+    """Collective: ``work()`` on the ranks given one (None: nothing to do here), and its result; a failure
+    on any rank is raised on every rank, as :func:`raise_together` does."""
+    value: T | None = None
+    error: Exception | None = None
+    if work is not None:
+        try:
+            value = work()
+        except Exception as e:  # noqa: BLE001 - raised below, once every rank has heard of it
+            error = e
+    raise_together(error, what)
+    return value
+
+
 def _why(error: BaseException | None) -> tuple[str, int] | None:
     """A failure as the other ranks are told it: its first line (the whole of it is on the failing
     rank's stderr) and its exit code."""
