@@ -295,6 +295,9 @@ class S3Remote:
             token = page["NextContinuationToken"]
 
     def head(self, key: str) -> ObjectInfo | None:
+        return self._head(key)
+
+    def _head(self, key: str, abort: Callable[[], bool] | None = None) -> ObjectInfo | None:
         def op() -> ObjectInfo | None:
             try:
                 reply = self._client.head_object(Bucket=self.bucket, Key=self._key(key))
@@ -310,7 +313,7 @@ class S3Remote:
                 reply.get("ETag"),
             )
 
-        return self._call(f"HEAD {key}", op)
+        return self._call(f"HEAD {key}", op, abort)
 
     def read_bytes(self, key: str, limit: int | None = None) -> bytes | None:
         def op() -> bytes | None:
@@ -417,7 +420,7 @@ class S3Remote:
                 try:
                     self._call(f"GET {key} bytes {first}-{last}", op, should_abort)
                 except _Changed as e:  # looked into here, outside the range's attempt and its connection
-                    raise self._changed(key, str(e), info) from None
+                    raise self._changed(key, str(e), info, abort) from None
                 return span
 
             window = max(1, min(self.config.concurrency, len(ranges)))
@@ -435,13 +438,14 @@ class S3Remote:
         if received.hexdigest() != digest:
             raise CorruptCheckpoint(f"{self.url}/{key} fails its {algorithm} check")
 
-    def _changed(self, key: str, why: str, seen: ObjectInfo) -> UploaderError:
+    def _changed(self, key: str, why: str, seen: ObjectInfo, abort: threading.Event | None) -> UploaderError:
         """A ranged GET's answer says the object is no longer the one its HEAD saw (``why``). Replaced or
         deleted meanwhile: whatever it holds now, this download is not of one object that matches the
         manifest (CorruptCheckpoint, never retried: each range would see the same). Unless a HEAD still
         finds the same object: then the server answers If-Match or Range wrongly, which says nothing about
-        the checkpoint, and must not get it set aside (StorageError)."""
-        now = self.head(key)
+        the checkpoint, and must not get it set aside (StorageError). The download's own abort cuts that
+        HEAD too (Aborted): a pull told to stop does not wait a retry budget on a server gone silent."""
+        now = self._head(key, abort.is_set if abort is not None else None)
         if now is not None and (now.etag, now.size) == (seen.etag, seen.size):
             return StorageError(f"{self.url}/{key}: {self.describe()} answered a ranged GET of the object it "
                                 f"holds with {why}; it does not support If-Match and Range as S3 does")

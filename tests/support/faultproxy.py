@@ -105,6 +105,7 @@ class FaultProxy:
         self._strip: bytes | None = None
         self._refuse: str | None = None
         self._hold: str | None = None
+        self._hold_passes = 0  # matching requests still let through before the hold applies
         self._deny: tuple[str, bytes] | None = None
         self._released = threading.Condition(self._lock)
         self._sockets: set[socket.socket] = set()
@@ -160,9 +161,10 @@ class FaultProxy:
         with self._lock:
             self._deny = fragment, answer
 
-    def hold(self, fragment: str) -> None:
+    def hold(self, fragment: str, after: int = 0) -> None:
+        """Hold the requests whose line holds ``fragment``, once ``after`` of them have gone through."""
         with self._lock:
-            self._hold = fragment
+            self._hold, self._hold_passes = fragment, after
 
     def close(self) -> None:
         self._closed = True
@@ -247,6 +249,9 @@ class FaultProxy:
         """Block a held request until passthrough(); on close() the connection is dropped unforwarded."""
         with self._lock:
             if self._hold is None or self._hold not in request_line:
+                return
+            if self._hold_passes > 0:
+                self._hold_passes -= 1
                 return
             self.counters.held += 1
             self._released.wait_for(lambda: self._closed or self._hold is None or self._hold not in request_line)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +17,7 @@ from tests.support.polling import wait_until
 from tests.support.s3server import ADMIN, READER, Bucket, Credentials, fast_config
 from tests.support.uploader_cli import cli_env, run_cli
 from uploader.config import MiB
-from uploader.exceptions import StorageError, TransientStorageError
+from uploader.exceptions import Aborted, StorageError, TransientStorageError
 from uploader.remote import Remote, open_remote
 from uploader.sync import list_set_aside, pull_newest, push
 
@@ -135,6 +136,30 @@ def test_a_server_that_answers_if_match_wrongly_stops_the_pull_and_sets_nothing_
 
     with pytest.raises(StorageError, match="does not support If-Match and Range as S3 does"):
         pull_newest(via(fault_proxy, s3_bucket), tmp_path / "restore")
+
+    assert complete_steps(direct) == [5, 10] and list_set_aside(direct) == []
+
+
+def test_a_pull_told_to_stop_while_it_asks_whether_an_object_changed_stops_at_once(
+    fault_proxy: FaultProxy, s3_bucket: Bucket, tmp_path: Path
+) -> None:
+    """The HEAD that tells a changed object from a server's wrong answer runs after a range failed.
+    It heeds the pull's own abort as every request of the pull does: a server gone silent held a
+    preempted job for one whole retry budget (an hour here) before it could stop."""
+    direct, key = steps_5_and_10(s3_bucket, tmp_path / "local"), "ckpt/step-000000000010/big.bin"
+    fault_proxy.deny(f"GET /{s3_bucket.name}/{key} ", PRECONDITION_FAILED)
+    fault_proxy.hold(f"HEAD /{s3_bucket.name}/{key} ", after=1)  # the download's own HEAD goes through
+    remote = via(fault_proxy, s3_bucket, max_retry_seconds=3600.0, read_timeout=3600.0)
+    abort = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        pulling = pool.submit(pull_newest, remote, tmp_path / "restore", abort=abort)
+        try:
+            wait_until(lambda: fault_proxy.counters.held > 0, what="the HEAD after a refused range")
+            abort.set()
+            with pytest.raises(Aborted):
+                pulling.result(timeout=30)
+        finally:
+            fault_proxy.passthrough()  # lets a pull that did not stop end, so the test fails, not hangs
 
     assert complete_steps(direct) == [5, 10] and list_set_aside(direct) == []
 
