@@ -67,10 +67,17 @@ class FileRemote:
     def close(self) -> None:
         pass
 
+    def _check_parent(self) -> None:
+        if not self.root.parent.is_dir():
+            raise BucketNotFound(f"{self.root.parent} does not exist: mount the shared volume or fix the file:// URL")
+
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         try:
             st = os.stat(self.root)  # one look: a folder being created meanwhile is never "a file"
         except FileNotFoundError:
+            # The root is created on the first write; the folder above it is the "bucket". Missing too, it
+            # is a volume not mounted: listed as empty, a run that should resume would start again.
+            self._check_parent()
             return []
         except OSError as e:
             raise _refused(f"cannot list {self.describe()}", e) from None
@@ -243,8 +250,7 @@ class FileRemote:
             target = self._path(key)
         except OSError as e:
             raise _refused(f"cannot write {key} in {self.describe()}", e) from None
-        if not self.root.parent.is_dir():
-            raise BucketNotFound(f"{self.root.parent} does not exist: mount the shared volume or fix the file:// URL")
+        self._check_parent()
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:

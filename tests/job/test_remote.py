@@ -143,6 +143,19 @@ def test_storage_errors_fail_fast_with_one_line(tmp_path, s3_bucket, case, code,
     assert not list((tmp_path / "ck").glob("step-*"))
 
 
+@pytest.mark.parametrize("upload", ["off", "inprocess"])
+def test_a_file_remote_on_a_volume_not_mounted_stops_before_training(tmp_path, upload):
+    """Read-only (--upload off), a missing volume was listed as an empty one: the run started again from step 0."""
+    done = run_job("train", *ARGS, "--save-folder", str(tmp_path / "ck"), "--upload", upload,
+                   "--remote", f"file://{tmp_path / 'not-mounted' / 'run'}")
+    assert done.returncode == 4, done.stderr
+    last = done.stderr.strip().splitlines()[-1]  # inprocess: its write check at start-up says it first
+    assert last.startswith("job: error: ") and last.endswith(
+        f"{tmp_path / 'not-mounted'} does not exist: mount the shared volume or fix the file:// URL")
+    assert not {"start", "progress", "checkpoint"} & {e.get("event") for e in events(done.stderr)}
+    assert not (tmp_path / "not-mounted").exists()
+
+
 def test_read_only_credentials_may_resume_from_the_bucket_with_upload_off(tmp_path, s3_bucket, uninterrupted):
     """Pull-only is a legitimate use of read-only credentials: the write check is for jobs that upload."""
     remote = s3_bucket.url("run")

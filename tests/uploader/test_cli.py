@@ -249,6 +249,22 @@ def test_local_and_remote_paths_through_a_file_are_refused_with_one_line(tmp_pat
     assert (tmp_path / "afile").read_text() == "not a folder"
 
 
+def test_a_file_remote_on_a_volume_not_mounted_is_a_missing_bucket_but_a_new_run_is_empty(tmp_path: Path) -> None:
+    """The folder above a file:// remote is its bucket: missing, a volume was not mounted, and a pull that
+    found nothing there would start the run again. The remote folder alone missing is a run's first start."""
+    unmounted = f"file://{tmp_path / 'not-mounted' / 'run'}"
+    ls, pull = (run_cli(args, isolated_aws_env(ADMIN)) for args in (["ls", unmounted],
+                                                                     ["pull", unmounted, str(tmp_path / "local")]))
+    new = run_cli(["ls", f"file://{tmp_path / 'run'}"], isolated_aws_env(ADMIN))
+
+    for result in (ls, pull):
+        assert result.returncode == 4, result.stderr
+        assert result.stderr.strip().splitlines()[-1] == (
+            f"uploader: error: {tmp_path / 'not-mounted'} does not exist: mount the shared volume or fix the file:// URL")
+    assert (new.returncode, new.stdout) == (0, ""), new.stderr
+    assert not (tmp_path / "not-mounted").exists() and not (tmp_path / "local").exists()
+
+
 def test_sync_of_a_folder_without_checkpoints_says_so(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     result = run_cli(["sync", str(tmp_path / "empty"), f"file://{tmp_path / 'remote'}"], isolated_aws_env(ADMIN))
