@@ -35,6 +35,7 @@ from uploader.cli import Folder, Seconds, report_click_error
 from uploader.config import ADDRESSING_STYLES, UploadConfig
 from uploader.exceptions import UploaderError
 from uploader.redact import redact_text
+from uploader.remote import Remote
 
 logger = logging.getLogger(__name__)
 
@@ -75,14 +76,23 @@ class IntervalType(click.ParamType):
 def torchrun_env() -> DistConfig:
     """torchrun's variables (WORLD_SIZE, RANK, LOCAL_RANK); a plain start is one process of one."""
     env = os.environ
+
+    def number(name: str, default: str) -> int:
+        value = env.get(name, default)
+        try:
+            return int(value)
+        except ValueError:
+            raise ConfigError(f"{name}={value!r} is not a whole number: torchrun sets it; start the job with "
+                              "torchrun, or unset it for one process") from None
+
     try:
-        return DistConfig(world_size=int(env.get("WORLD_SIZE", "1")), rank=int(env.get("RANK", "0")),
-                          local_rank=int(env.get("LOCAL_RANK", "0")), master_addr=env.get("MASTER_ADDR", ""),
-                          master_port=int(env.get("MASTER_PORT", "0")),
-                          attempt=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        return DistConfig(world_size=number("WORLD_SIZE", "1"), rank=number("RANK", "0"),
+                          local_rank=number("LOCAL_RANK", "0"), master_addr=env.get("MASTER_ADDR", ""),
+                          master_port=number("MASTER_PORT", "0"),
+                          attempt=number("TORCHELASTIC_RESTART_COUNT", "0"),
                           agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
-                          node_rank=int(env.get("GROUP_RANK", "0")),
-                          local_world_size=int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1"))))
+                          node_rank=number("GROUP_RANK", "0"),
+                          local_world_size=number("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1")))
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -331,14 +341,13 @@ def report(source: str, format: str, plot: Path | None, endpoint_url: str | None
     read-only credentials are enough. Malformed ledger entries are skipped and listed.
     """
     from job import report as reporting
-    from uploader.remote import open_remote
 
     if plot is not None and plot.suffix.lower() != ".svg":
         raise ConfigError(f"--plot {plot}: only .svg is written (it opens in any browser)")
     url = source if "://" in source else Path(source).resolve().as_uri()
     if "://" not in source and not Path(source).is_dir():
         raise ConfigError(f"{source} is not a folder or a remote URL (s3://bucket/prefix, file:///path)")
-    remote = open_remote(url, UploadConfig(endpoint_url=endpoint_url, addressing=addressing))
+    remote = open_source(url, endpoint_url, addressing)
     try:
         lives, skipped = reporting.load(remote)
     finally:
@@ -347,21 +356,34 @@ def report(source: str, format: str, plot: Path | None, endpoint_url: str | None
         raise ConfigError(f"no ledger under {source} (runlog/ledger/): is it the run's --remote or --save-folder?")
     per_life = reporting.costs(lives)
     if plot is not None:
-        reporting.write_plot(plot, per_life)
+        try:
+            reporting.write_plot(plot, per_life)
+        except OSError as e:
+            raise ConfigError(f"--plot {plot}: cannot write it ({e.strerror or e}): name a file in an existing "
+                              "folder this user may write") from None
     if format == "json":
         click.echo(json.dumps(reporting.as_json(per_life, skipped), sort_keys=True))
     else:
         click.echo(reporting.as_text(per_life, skipped))
 
 
+def open_source(url: str, endpoint_url: str | None, addressing: str) -> Remote:
+    """The remote a command reads (inspect, report): a malformed URL or endpoint is bad usage (exit 2)."""
+    from uploader.remote import open_remote
+
+    try:
+        return open_remote(url, UploadConfig(endpoint_url=endpoint_url, addressing=addressing))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def describe_remote(url: str, tmp: Path, endpoint_url: str | None, addressing: str) -> dict[str, Any]:
     """Pull the newest complete, verified checkpoint under ``url`` into ``tmp`` and describe it."""
     from job.checkpoint import describe, open_checkpoint
     from uploader.exceptions import NoCheckpointFound
-    from uploader.remote import open_remote
     from uploader.sync import pull_newest
 
-    remote = open_remote(url, UploadConfig(endpoint_url=endpoint_url, addressing=addressing))
+    remote = open_source(url, endpoint_url, addressing)
     try:
         pulled = pull_newest(remote, tmp, set_aside_corrupt=False)  # inspect only reads
     finally:

@@ -63,6 +63,10 @@ class DistConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size or self.local_rank < 0:
             raise ValueError(f"inconsistent torchrun environment: rank {self.rank}, world size {self.world_size}")
+        if self.enabled and not (self.master_addr and 0 < self.master_port < 65536):
+            raise ValueError(f"WORLD_SIZE is {self.world_size} but MASTER_ADDR and MASTER_PORT do not name the "
+                             "rendezvous: start the job with torchrun (it sets them), or unset WORLD_SIZE for one "
+                             "process")
 
 
 def init(cfg: DistConfig, device: str) -> None:
@@ -75,9 +79,6 @@ def init(cfg: DistConfig, device: str) -> None:
     if device == "cuda":
         torch.cuda.set_device(cfg.local_rank)
     backend, timeout = ("nccl" if device == "cuda" else "gloo"), datetime.timedelta(seconds=cfg.timeout_s)
-    if not cfg.master_port:
-        dist.init_process_group(backend, init_method="env://", timeout=timeout)
-        return
     # Seen with torch 2.13: after an elastic restart, gloo read the previous group's peer addresses from
     # the launcher's store (connection refused, every round). A namespace per restart keeps them apart.
     store = dist.TCPStore(cfg.master_addr, cfg.master_port, cfg.world_size,

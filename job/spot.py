@@ -111,9 +111,14 @@ def check_endpoint(url: str | None) -> None:
     warning, and the job would run without the notices it was asked to watch for."""
     if url is None:
         return
-    parsed = urlparse(url)
-    if parsed.scheme not in ("http", "https") or not parsed.netloc:
-        raise ValueError(f"--spot-endpoint {url!r} is not an http(s) URL, e.g. http://169.254.169.254")
+    try:
+        parsed = urlparse(url)
+        usable = parsed.scheme in ("http", "https") and bool(parsed.hostname) and parsed.port != 0
+    except ValueError:  # a port out of range or not a number, a broken IPv6 literal
+        usable = False
+    if not usable:
+        raise ValueError(f"--spot-endpoint {url!r} is not an http(s) URL with a host and a port between 1 and "
+                         "65535, e.g. http://169.254.169.254")
 
 
 def make_source(mode: str, endpoint: str | None) -> Source | None:

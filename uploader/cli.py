@@ -45,6 +45,7 @@ from uploader.console import print_checkpoints, setup_logging
 from uploader.exceptions import (
     Aborted,
     AuthError,
+    BadSettings,
     BucketNotFound,
     CorruptCheckpoint,
     LocalWriteError,
@@ -72,6 +73,7 @@ EXIT_NO_CHECKPOINT = 6
 EXIT_LOCAL_WRITE = 7  # the job's EXIT_WRITE_FAILED: the same failure, the same code
 
 _EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
+    (BadSettings, EXIT_USAGE),
     (AuthError, EXIT_AUTH),
     (BucketNotFound, EXIT_NO_BUCKET),
     (TransientStorageError, EXIT_UNREACHABLE),

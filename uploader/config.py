@@ -50,12 +50,11 @@ class UploadConfig:
     keep: int = 3
 
     def __post_init__(self) -> None:
-        if self.endpoint_url is not None:
-            parsed = urlparse(self.endpoint_url)
-            if parsed.scheme not in ("http", "https") or not parsed.netloc:
-                raise ValueError(  # the value may hold a user:password (redacted: the message is printed)
-                    f"endpoint_url {redact_url(self.endpoint_url)!r} is not an http(s) URL, e.g. http://127.0.0.1:8333"
-                )
+        if self.endpoint_url is not None and not _is_http_url(self.endpoint_url):
+            raise ValueError(  # the value may hold a user:password (redacted: the message is printed)
+                f"endpoint_url {redact_url(self.endpoint_url)!r} is not an http(s) URL with a host and a port "
+                "between 1 and 65535, e.g. http://127.0.0.1:8333"
+            )
         if self.addressing not in ADDRESSING_STYLES:
             raise ValueError(f"addressing must be one of {', '.join(ADDRESSING_STYLES)}, not {self.addressing!r}")
         if self.max_attempts < 1:
@@ -76,3 +75,14 @@ class UploadConfig:
             raise ValueError(f"concurrency must be between 1 and 64, not {self.concurrency}")
         if self.keep < 1:
             raise ValueError(f"keep must be >= 1 (the newest checkpoint is never deleted), not {self.keep}")
+
+
+def _is_http_url(url: str) -> bool:
+    """http(s)://host[:port]: botocore only finds out about a bad port (99999, abc) or a broken IPv6
+    literal at the first request, where it would be reported as a failure of the storage."""
+    try:
+        parsed = urlparse(url)
+        port = parsed.port  # ValueError when out of range or not a number
+    except ValueError:
+        return False
+    return parsed.scheme in ("http", "https") and bool(parsed.hostname) and port != 0

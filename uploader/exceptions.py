@@ -93,5 +93,11 @@ class LocalWriteError(UploaderError):
         return "use a folder this process can write"
 
 
+class BadSettings(UploaderError):
+    """The storage settings are unusable, before any request: an endpoint, region or bucket name the S3
+    client refuses, which may come from the environment (AWS_ENDPOINT_URL, AWS_REGION) past the CLI's own
+    checks. Bad configuration (exit 2), not a bug, nor a failure a retry or the next start would fix."""
+
+
 class Aborted(UploaderError):
     """A transfer was stopped on request (grace period over, uploader closed); the remote is unchanged."""

@@ -43,3 +43,11 @@ def redact_url(url: str) -> str:
             url = f"{url.partition('?')[0]}?{REDACTED}"
         return url
     return redact_text(url)
+
+
+def redact_words(text: str) -> str:
+    """``text`` as redact_text leaves it, and any other word that holds an ``@`` as redact_url does: a
+    message that echoes a setting (botocore's "Invalid endpoint: user:secret@host:9000") may hold a
+    credential without a scheme before it."""
+    return " ".join(redact_url(word) if "@" in word and "://" not in word else word
+                    for word in redact_text(text).split(" "))

@@ -11,6 +11,7 @@ manifest entry's: None for a plain sha256, else the block digest of uploader.has
 """
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -124,12 +125,18 @@ class Remote(Protocol):
         ...
 
 
+_BUCKET_NAME = re.compile(r"[a-zA-Z0-9.\-_]{1,255}")  # botocore.handlers.VALID_BUCKET (S3 itself is stricter)
+
+
 def s3_location(url: str) -> tuple[str, str]:
     """(bucket, prefix) of ``s3://bucket/prefix``; ValueError, saying what is expected, otherwise."""
     parsed = urlparse(url)
     # No "@": s3://user:secret@bucket is no bucket name, and would carry the secret into every message.
     if parsed.scheme != "s3" or not parsed.netloc or "@" in parsed.netloc or parsed.query or parsed.fragment:
         raise ValueError(f"not an S3 remote: {redact_url(url)!r}; expected s3://bucket/prefix")
+    if not _BUCKET_NAME.fullmatch(parsed.netloc):  # botocore's own check, made at the first request
+        raise ValueError(f"{parsed.netloc!r} in {redact_url(url)!r} is not a bucket name: letters, digits, '.', "
+                         "'-' and '_' only, at most 255")
     return parsed.netloc, parsed.path
 
 

@@ -53,6 +53,7 @@ from uploader.destination import Destination
 from uploader.exceptions import (
     Aborted,
     AuthError,
+    BadSettings,
     BucketNotFound,
     CorruptCheckpoint,
     StorageError,
@@ -71,7 +72,7 @@ from uploader.hashing import (
 from uploader.local import local_read_error
 from uploader.manifest import open_regular
 from uploader.parallel import ordered_map
-from uploader.redact import redact_url
+from uploader.redact import redact_url, redact_words
 from uploader.remote import ObjectInfo, OnBytes, s3_location
 from uploader.retry import describe, error_code, is_transient, retrying
 from uploader.transit import Transit
@@ -122,7 +123,34 @@ _CREDENTIAL_ERRORS = (
 )
 
 
+# What the client refuses about its own settings, when it is made or before a request is sent: an endpoint,
+# region or parameter (a bucket name) it cannot use. Bad configuration: never retried, never "a bug".
+_SETTINGS_ERRORS: tuple[type[Exception], ...] = (
+    boto_errors.ParamValidationError,
+    boto_errors.ValidationError,  # InvalidRegionError
+    boto_errors.EndpointProviderError,  # EndpointResolutionError: a port out of range
+    boto_errors.InvalidEndpointConfigurationError,
+)
+
+
+def settings_refused(exc: Exception) -> BadSettings:
+    """One line: what the client said (its settings may come from the environment, past the CLI's checks:
+    AWS_ENDPOINT_URL, AWS_REGION), secret-free, and where to fix it."""
+    said = redact_words(" ".join(str(exc).split()))
+    return BadSettings(f"the S3 client refuses its settings ({type(exc).__name__}: {said}): check --endpoint-url "
+                       "or AWS_ENDPOINT_URL (an http(s) URL such as http://127.0.0.1:8333), --region or "
+                       "AWS_REGION (such as us-east-1), and the bucket name in the remote URL")
+
+
 def make_client(config: UploadConfig, sign_payload: bool | None = None) -> Any:
+    """_make_client, with the settings botocore refuses as BadSettings (exit 2, one line)."""
+    try:
+        return _make_client(config, sign_payload)
+    except (ValueError, *_SETTINGS_ERRORS) as e:
+        raise settings_refused(e) from None
+
+
+def _make_client(config: UploadConfig, sign_payload: bool | None = None) -> Any:
     """An S3 client that never retries by itself (tenacity does, see uploader.retry).
 
     ``endpoint_url=None`` lets botocore use AWS_ENDPOINT_URL (or AWS_ENDPOINT_URL_S3) if set.
@@ -647,6 +675,8 @@ class S3Remote:
                 "standard AWS chain (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, web identity/IRSA "
                 "or an instance profile)"
             )
+        if isinstance(exc, _SETTINGS_ERRORS):
+            return settings_refused(exc)
         code, status = error_code(exc)
         if status == 403 or code in _AUTH_CODES:
             return AuthError(

@@ -63,10 +63,55 @@ def test_bad_input_gives_one_clear_line_and_nonzero_exit(capsys, tmp_path, monke
     assert not (tmp_path / "checkpoints").exists()
 
 
+SETTINGS_REFUSED = "job: error: the S3 client refuses its settings ("
+
+
+@pytest.mark.parametrize(
+    "argv, env, starts",
+    [
+        (["inspect", "s3://"], {}, "job: error: not an S3 remote: 's3://'"),
+        (["inspect", "file://relative"], {}, "job: error: not a file remote: 'file://relative'"),
+        (["report", "gs://bucket/run"], {}, "job: error: unsupported remote 'gs://bucket/run'"),
+        (["inspect", "s3://bucket/run", "--endpoint-url", "http://127.0.0.1:99999"], {},
+         "job: error: endpoint_url 'http://127.0.0.1:99999' is not an http(s) URL with a host and a port"),
+        (["train", "--remote", "s3://bucket/run", "--endpoint-url", "http://[::1"], {},
+         "job: error: endpoint_url 'http://[::1' is not an http(s) URL"),
+        (["train", "--remote", "s3://Not_A_Bucket!/run"], {},
+         "job: error: --remote: 'Not_A_Bucket!' in 's3://Not_A_Bucket!/run' is not a bucket name"),
+        (["train", "--spot-notice", "aws", "--spot-endpoint", "http://127.0.0.1:99999"], {},
+         "job: error: --spot-endpoint 'http://127.0.0.1:99999' is not an http(s) URL with a host and a port"),
+        (["train", "--remote", "s3://bucket/run"], {"AWS_ENDPOINT_URL": "admin:SECRET-PASSWORD@127.0.0.1:9000"},
+         SETTINGS_REFUSED + "ValueError: Invalid endpoint: ***@127.0.0.1:9000)"),
+        (["inspect", "s3://bucket/run"], {"AWS_ENDPOINT_URL": "http://127.0.0.1:99999"},
+         SETTINGS_REFUSED + "EndpointResolutionError: Custom endpoint `http://127.0.0.1:99999` was not a valid URI)"),
+        (["train", "--remote", "s3://bucket/run"], {"AWS_DEFAULT_REGION": "us east!"},
+         SETTINGS_REFUSED + "InvalidRegionError: Provided region_name 'us east!' doesn't match a supported format.)"),
+        (["train"], {"WORLD_SIZE": "abc"}, "job: error: WORLD_SIZE='abc' is not a whole number: torchrun sets it"),
+        (["train"], {"WORLD_SIZE": "2"}, "job: error: WORLD_SIZE is 2 but MASTER_ADDR and MASTER_PORT do not name"),
+    ],
+    ids=["inspect-s3", "inspect-relative-file", "report-scheme", "endpoint-port", "endpoint-ipv6", "bucket-name",
+         "spot-endpoint-port", "env-endpoint-with-a-password", "env-endpoint-port", "env-region", "env-world-size",
+         "env-no-rendezvous"],
+)
+def test_bad_settings_wherever_they_come_from_are_exit_2_in_one_line(capsys, tmp_path, monkeypatch, argv, env, starts):
+    """Each was exit 1 with a traceback ("a bug"), the password in AWS_ENDPOINT_URL printed in clear. The client's
+    own settings come from the environment too, past the flags' checks: its refusal is bad configuration."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    code, out, err = run_main(capsys, *argv, *(["--max-duration", "1ba"] if argv[0] == "train" else []))
+    assert code == 2 and out == "", err
+    [line] = [line for line in err.splitlines() if line.strip()]
+    assert line.startswith(starts)
+    assert "SECRET-PASSWORD" not in err and not (tmp_path / "checkpoints").exists()
+
+
 def test_a_seed_that_overflows_on_the_last_rank_is_refused_before_joining(capsys, tmp_path, monkeypatch):
     """Rank r seeds with seed + r: under torchrun the top seed is valid for rank 0 and not for rank 1."""
     monkeypatch.chdir(tmp_path)
-    for name, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}.items():
+    for name, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": "29500"}.items():
         monkeypatch.setenv(name, value)
     code, _, err = run_main(capsys, "train", "--seed", "4294967295")
     assert code == 2

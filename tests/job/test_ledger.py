@@ -174,6 +174,18 @@ def test_a_report_without_a_ledger_or_with_a_bad_plot_name_is_a_usage_error(tmp_
     assert done.returncode == 2 and "--plot" in done.stderr
 
 
+def test_a_plot_that_cannot_be_written_is_one_line_and_exit_2(tmp_path) -> None:
+    """A --plot in a folder that is not there was a traceback (exit 1, "a bug")."""
+    ledger = tmp_path / LEDGER_DIR
+    ledger.mkdir(parents=True)
+    (ledger / "life-20261204T100000Z-0123abcd.json").write_text(json.dumps(life_record()))
+    plot = tmp_path / "no-such-folder" / "lives.svg"
+    done = run_job("report", str(tmp_path), "--plot", str(plot))
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (f"job: error: --plot {plot}: cannot write it (No such file or "
+                                                    "directory): name a file in an existing folder this user may write")
+
+
 def test_a_long_life_keeps_its_record_small_and_its_stall_whole(tmp_path) -> None:
     from job.ledger import MAX_CHECKPOINTS, Ledger
 

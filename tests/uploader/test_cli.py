@@ -98,9 +98,12 @@ def test_pull_onto_a_full_disk_exits_7_with_one_line_and_changes_nothing(tmp_pat
         (["--connect-timeout", "1e308", "ls", "file:///tmp/x"], "--connect-timeout"),
         (["watch", "", "file:///tmp/x"], "'LOCAL': is empty; give a folder"),
         (["sync", " ", "file:///tmp/x"], "'LOCAL': is empty; give a folder"),
+        (["--endpoint-url", "http://127.0.0.1:99999", "ls", "s3://bucket/x"], "a port between 1 and 65535"),
+        (["ls", "s3://Not_A_Bucket!/x"], "'Not_A_Bucket!' in 's3://Not_A_Bucket!/x' is not a bucket name"),
     ],
     ids=["scheme", "relative-file-url", "part-size", "addressing", "endpoint-without-scheme", "sync-missing-local",
-         "poll-interval-nan", "grace-nan", "timeout-beyond-a-wait", "watch-empty-local", "sync-blank-local"],
+         "poll-interval-nan", "grace-nan", "timeout-beyond-a-wait", "watch-empty-local", "sync-blank-local",
+         "endpoint-port", "bucket-name"],
 )
 def test_usage_errors_exit_2(args: list[str], says: str) -> None:
     result = run_cli(args, isolated_aws_env(ADMIN))
@@ -108,6 +111,28 @@ def test_usage_errors_exit_2(args: list[str], says: str) -> None:
     assert result.returncode == 2
     [line] = result.stderr.strip().splitlines()  # one line, as every other error: not click's Usage/Try/Error
     assert line.startswith("uploader: error: ") and says in line and line.endswith(" --help')")
+
+
+@pytest.mark.parametrize(
+    ("env", "says"),
+    [
+        ({"AWS_ENDPOINT_URL": "admin:SECRET-PASSWORD@127.0.0.1:9000"},
+         "(ValueError: Invalid endpoint: ***@127.0.0.1:9000)"),
+        ({"AWS_ENDPOINT_URL": "http://127.0.0.1:99999"},
+         "Custom endpoint `http://127.0.0.1:99999` was not a valid URI"),
+        ({"AWS_DEFAULT_REGION": "us east!"}, "Provided region_name 'us east!' doesn't match a supported format."),
+    ],
+    ids=["endpoint-with-a-password", "endpoint-port", "region"],
+)
+def test_settings_the_s3_client_refuses_from_the_environment_exit_2(env: dict[str, str], says: str) -> None:
+    """Past the options' checks, botocore refused them with a traceback or as "Invalid value for REMOTE", the
+    password in clear."""
+    result = run_cli(["ls", "s3://bucket/x"], {**isolated_aws_env(ADMIN), **env})
+
+    assert result.returncode == 2 and result.stdout == ""
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("uploader: error: the S3 client refuses its settings (") and says in line
+    assert "SECRET-PASSWORD" not in result.stderr
 
 
 def _folder_as_manifest(remote_dir: Path, ckpt: LocalCheckpoint) -> None:
