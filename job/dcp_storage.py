@@ -70,7 +70,11 @@ FORMAT = "spot-trainer/dcp-metadata"
 FORMAT_VERSION = 1
 # Bounds on what a metadata file may ask of a reader, far above any real checkpoint. What a load
 # allocates is bounded by the bytes of the data files besides (decode_metadata).
-MAX_METADATA_BYTES = 512 * 1024 * 1024
+# The memory that parsing the JSON takes, as _json_cost estimates it (never below it): ~2,100 bytes
+# per chunk of this module's encoding, whose Python objects take ~650, so some 500,000 chunks of all
+# tensors together, in ~50 MB of JSON.
+MAX_JSON_COST = 1024 * 1024 * 1024
+MAX_METADATA_BYTES = 128 * 1024 * 1024  # room for long keys besides; 512 MiB of JSON took up to 13 GiB to parse
 MAX_ITEMS = 10_000_000
 MAX_CHUNKS = 1_000_000  # of one tensor
 MAX_DIMS = 64
@@ -274,6 +278,10 @@ class _Decoder:
     def decode(self, data: bytes) -> Metadata:
         if len(data) > MAX_METADATA_BYTES:
             raise _Invalid(f"larger than {MAX_METADATA_BYTES} bytes")
+        cost = _json_cost(data)
+        if cost > MAX_JSON_COST:
+            raise _Invalid(f"its JSON would take about {cost >> 20} MiB of memory to parse, more than the "
+                           f"{MAX_JSON_COST >> 20} MiB allowed (some 500,000 chunks)")
         try:
             doc = strict_json(data)
         except ValueError as e:
@@ -378,6 +386,20 @@ class _Decoder:
                     raise _Invalid(f"{_short(key)} and {_short(other)} overlap in {name}")
 
 
+def _json_cost(data: bytes) -> int:
+    """At least the peak bytes of the Python objects json.loads makes of ``data``, estimated before it
+    runs (a few passes of bytes.count, in C): 30 MiB of ``[[],[],...`` took 775 MiB to parse, and a file
+    of the old 512 MiB limit would have taken 13 GiB. Every list, dict, key and value opens with a
+    bracket or follows a comma or a colon, and none of them takes more than 128 bytes besides its
+    characters (measured: a one-key dict, with a key seen first and a short string), which take at
+    most 2 bytes each while parsed if the text is ASCII without \\u escapes, else up to 8 (one wide
+    character makes the whole string 4 bytes a character, built twice). Brackets and commas inside
+    strings count too: an estimate only ever too high (tests.job.test_sharded measures it)."""
+    starts = sum(data.count(c) for c in (b"[", b"{", b",", b":"))
+    per_char = 2 if data.isascii() and b"\\u" not in data else 8
+    return 128 * starts + per_char * len(data) + 64 * 1024
+
+
 def _fields(doc: Any, what: str, expected: set[str]) -> None:
     if not isinstance(doc, dict) or set(doc) != expected:
         found = sorted(doc) if isinstance(doc, dict) else type(doc).__name__
@@ -392,19 +414,33 @@ def _dims(value: Any, what: str) -> list[int]:
 
 
 def _check_cover(key: str, size: list[int], chunks: list[ChunkStorageMetadata]) -> None:
-    """The chunks fill the tensor exactly once: their volumes add up to it and no two overlap (a
-    sweep along the first dimension, where DCP's shards of a DTensor lie side by side)."""
+    """The chunks fill the tensor exactly once: their volumes add up to it and no two overlap.
+
+    Overlap is decided on a grid, in O(n log n) for n chunks of any layout (a sweep comparing every
+    chunk with every other it meets along one dimension took hours for chunks side by side along
+    another). The grid cuts each dimension at every edge of a chunk; a chunk that is exactly one cell
+    of it overlaps another only if both are the same cell. DCP's chunks of a DTensor always are cells:
+    each mesh dimension cuts one tensor dimension into consecutive pieces, the same pieces whatever the
+    other dimensions' cuts, so the chunks are every combination of each dimension's pieces (empty
+    pieces, of uneven shards, make empty chunks: they hold nothing and are left out). A chunk across
+    several cells, which no DTensor writes, is refused; of disjoint cells, those that add up to the
+    tensor's volume cover it.
+    """
     if sum(math.prod(c.sizes) for c in chunks) != math.prod(size):
         raise _Invalid(f"{_short(key)}: its chunks do not add up to its size {size}")
-    boxes = sorted((tuple(c.offsets), tuple(c.sizes)) for c in chunks if math.prod(c.sizes) > 0)
-    active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    boxes = [(tuple(c.offsets), tuple(c.sizes)) for c in chunks if math.prod(c.sizes) > 0]
+    cuts = [sorted({o[dim] for o, _ in boxes} | {o[dim] + s[dim] for o, s in boxes}) for dim in range(len(size))]
+    cell_of = [{edge: i for i, edge in enumerate(edges)} for edges in cuts]
+    cells: set[tuple[int, ...]] = set()
     for offsets, sizes in boxes:
-        start = offsets[0] if offsets else 0
-        active = [b for b in active if (b[0][0] + b[1][0] if b[0] else 1) > start]
-        for other_offsets, other_sizes in active:
-            if all(o < p + t and p < o + s for o, s, p, t in zip(offsets, sizes, other_offsets, other_sizes)):
-                raise _Invalid(f"{_short(key)}: two of its chunks overlap")
-        active.append((offsets, sizes))
+        cell = tuple(index[o] for index, o in zip(cell_of, offsets))
+        if any(edges[i + 1] != o + s for edges, i, o, s in zip(cuts, cell, offsets, sizes)):
+            raise _Invalid(f"{_short(key)}: a chunk {list(offsets)}+{list(sizes)} spans several cells of the grid "
+                           "its chunks' edges make (DCP's chunks of a tensor are its cells): they overlap, or "
+                           "were not written by DCP")
+        if cell in cells:
+            raise _Invalid(f"{_short(key)}: two of its chunks overlap")
+        cells.add(cell)
 
 
 def _check_paths(paths: Mapping[str, tuple[str | int, ...]]) -> None:

@@ -4,11 +4,19 @@ Every file of a checkpoint is untrusted input. torch's weights-only unpickler al
 containers only and refuses anything that would run code; whatever it refuses, and whatever is not a
 torch file at all, becomes a CheckpointLoadError (exit 6) that names the file, never a crash. Shared by
 whole files (job.checkpoint) and the byte ranges of sharded checkpoints (job.dcp_storage).
+
+What a load allocates is bounded by the bytes it reads. torch's zip reader also inflates DEFLATE
+records, so a few hundred KB could hold a tensor of gigabytes (found only after it is in memory);
+torch.save never compresses, and a load that does not map the file (mmap=False, the byte ranges of
+sharded checkpoints) first refuses any record that is not stored as is (:func:`check_stored`). A mapped
+load refuses compressed records itself.
 """
 from __future__ import annotations
 
+import io
 import pickle
 import re
+import zipfile
 from pathlib import Path
 from typing import IO, Any
 
@@ -20,6 +28,8 @@ from job.exceptions import CheckpointLoadError
 def load_weights_only(source: Path | IO[bytes], what: str, mmap: bool = False) -> Any:
     """``source`` (a path, or an open binary file) loaded to CPU with weights_only=True; ``what`` names
     it in the error. ``mmap`` maps a file's tensors instead of reading them (paths only)."""
+    if not mmap:
+        check_stored(source, what)
     try:
         return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
@@ -31,6 +41,34 @@ def load_weights_only(source: Path | IO[bytes], what: str, mmap: bool = False) -
         raise CheckpointLoadError(f"{what} is missing") from None
     except (RuntimeError, EOFError, ValueError, OSError) as e:
         raise CheckpointLoadError(f"{what} is not a readable torch file ({first_line(e)})") from None
+
+
+def check_stored(source: Path | IO[bytes], what: str) -> None:
+    """A CheckpointLoadError unless ``source`` is a zip archive (what torch.save writes) whose records
+    are all stored uncompressed inside it, as torch.save stores them: then torch.load allocates no more
+    than the file holds (module docstring). The stdlib's zip reader reads the archive's directory only,
+    never a pickle; a file object is left where it was."""
+    start = None if isinstance(source, Path) else source.tell()
+    try:
+        size = source.stat().st_size if isinstance(source, Path) else source.seek(0, io.SEEK_END)
+        with zipfile.ZipFile(source) as archive:
+            records = archive.infolist()
+    except FileNotFoundError:
+        raise CheckpointLoadError(f"{what} is missing") from None
+    except OSError as e:
+        raise CheckpointLoadError(f"{what} cannot be read ({e.strerror or e})") from None
+    except Exception as e:  # noqa: BLE001 - the stdlib's reader raises several kinds for a malformed archive
+        raise CheckpointLoadError(f"{what} is not a readable torch file (not a zip archive: {first_line(e)})") from None
+    finally:
+        if start is not None:
+            source.seek(start)
+    for info in records:
+        if (info.compress_type != zipfile.ZIP_STORED or info.file_size != info.compress_size
+                or not 0 <= info.header_offset <= info.header_offset + info.compress_size <= size):
+            raise CheckpointLoadError(
+                f"refusing to load {what}: its record {clip(repr(info.filename), 80)} is compressed or runs past "
+                "its end (torch.save stores every record as is, and a compressed one could unpack to far more "
+                "memory than the checkpoint's bytes): the checkpoint is damaged or hostile")
 
 
 def unpickler_reason(e: pickle.UnpicklingError) -> str:

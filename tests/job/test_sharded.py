@@ -7,21 +7,29 @@ DCP's pickle, is untrusted input: a hostile one is a corrupt checkpoint (exit 6)
 """
 from __future__ import annotations
 
+import gc
 import io
+import itertools
 import json
+import math
 import pickle
 import shutil
+import tracemalloc
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 import torch
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
 from job import dcp_storage
 from job.checkpoint import STATE_FILE, describe, load_state_file, open_checkpoint
 from job.restore import restore
 from job.exceptions import CheckpointLoadError
+from job.safe_load import load_weights_only
 from job.sharded import by_id, tied_groups
 from tests.job.test_checkpoint import _Exploit
 from tests.support.checkpoints import reseal, zip_crc32s
@@ -32,7 +40,7 @@ from tests.support.elastic import (DATASET, TORCHRUN, assert_close, final_model,
 from tests.support.recording_model import trained
 from uploader.hashing import BLOCK_SIZE, file_digest
 from uploader.local import list_committed
-from uploader.manifest import DCP_METADATA, MANIFEST_NAME, FileEntry, Manifest
+from uploader.manifest import DCP_METADATA, MANIFEST_NAME, FileEntry, Manifest, strict_json
 
 pytestmark = pytest.mark.slow
 
@@ -186,6 +194,28 @@ def _leaf_and_container(doc: dict[str, Any], folder: Path, sentinel: Path) -> No
     doc["items"].append({**lr, "key": "model", "path": ["model"]})
 
 
+def _deflated(blob: bytes) -> bytes:
+    """The torch.save ``blob`` with its tensors' records DEFLATE-compressed, which torch's reader inflates."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(blob)) as src, zipfile.ZipFile(out, "w") as dst:
+        for info in src.infolist():
+            method = zipfile.ZIP_DEFLATED if "/data/" in info.filename else zipfile.ZIP_STORED
+            dst.writestr(info.filename, src.read(info.filename), compress_type=method)
+    return out.getvalue()
+
+
+def _compressed_in(key: str) -> Callable[..., None]:
+    """Metadata that points the item ``key`` at its own bytes, compressed."""
+    def edit(doc: dict[str, Any], folder: Path, sentinel: Path) -> None:
+        item = _item(doc, key)
+        target = item["chunks"][0] if item["kind"] == "tensor" else item
+        with open(folder / target["file"], "rb") as f:
+            f.seek(target["offset"])
+            blob = f.read(target["length"])
+        _point(target, _append_to(folder, target["file"], _deflated(blob)))
+    return edit
+
+
 HOSTILE: dict[str, Callable[..., bytes | None]] = {
     "not-json": lambda doc, folder, sentinel: b'{"format": "spot-trainer/dcp-',
     "a-pickle": lambda doc, folder, sentinel: pickle.dumps(_Exploit(sentinel)),  # DCP's stock .metadata format
@@ -211,6 +241,8 @@ HOSTILE: dict[str, Callable[..., bytes | None]] = {
     "chunk-of-another-shape": _swap_slices,
     "pickled-tensor-chunk": _exploit_in("model.net.3.weight"),
     "pickled-bytes-item": _exploit_in("optimizers.AdamW.param_groups.0.lr"),
+    "compressed-tensor-chunk": _compressed_in("model.net.0.weight"),
+    "compressed-bytes-item": _compressed_in("optimizers.AdamW.param_groups.0.lr"),
 }
 
 
@@ -235,7 +267,7 @@ def test_hostile_metadata_is_a_corrupt_checkpoint_never_code(saved: Path, tmp_pa
     with pytest.raises(CheckpointLoadError) as refused:
         load_state_file(folder, manifest)
     assert str(folder) in str(refused.value) and "\n" not in str(refused.value)
-    if name != "pickled-bytes-item":  # `job inspect` reads the model only
+    if name not in ("pickled-bytes-item", "compressed-bytes-item"):  # `job inspect` reads the model only
         with pytest.raises(CheckpointLoadError):
             describe(folder, manifest)
     assert not sentinel.exists()
@@ -297,6 +329,140 @@ def test_a_pickled_metadata_file_fails_inspect_and_a_resume_with_exit_6(saved: P
     errors = [line for line in ranks.stderr.splitlines() if line.startswith("job: error:")]
     assert len(errors) == 2 and all("is damaged or hostile" in e for e in errors), ranks.stderr[-3000:]  # no rank hangs
     assert not sentinel.exists()
+
+
+# -- metadata a reader can afford: chunk layouts, JSON size, compressed records ---------------------
+
+
+def _layout(size: list[int], chunks: list[tuple[list[int], list[int]]]) -> tuple[bytes, dict[str, int]]:
+    """Metadata of one bool tensor of ``size`` in ``chunks`` (offsets, sizes), each in its own bytes of one
+    data file, and that file's size: what decode_metadata reads of a checkpoint."""
+    entries, end = [], 0
+    for offsets, sizes in chunks:
+        length = max(1, math.prod(sizes))
+        entries.append({"offsets": offsets, "sizes": sizes, "file": "__0_0.distcp", "offset": end, "length": length})
+        end += length
+    doc = {"format": dcp_storage.FORMAT, "format_version": dcp_storage.FORMAT_VERSION, "dcp_version": "",
+           "items": [{"key": "w", "path": ["w"], "kind": "tensor", "dtype": "bool", "size": size, "chunks": entries}]}
+    return json.dumps(doc, separators=(",", ":")).encode(), {"__0_0.distcp": end}
+
+
+def _decoded_chunks(size: list[int], chunks: list[tuple[list[int], list[int]]]) -> int:
+    return len(dcp_storage.decode_metadata(*_layout(size, chunks), "ck").state_dict_metadata["w"].chunks)
+
+
+def test_chunks_side_by_side_along_the_last_dimension_decode_in_n_log_n() -> None:
+    """200,000 chunks of one row, along dimension 1: the sweep along dimension 0 compared each with every
+    other, some 2*10^10 comparisons (8,000 took 16 s, these would take hours); the grid check is linear."""
+    n = 200_000
+    assert _decoded_chunks([1, n], [([0, i], [1, 1]) for i in range(n)]) == n
+
+
+def _row(axis: int, n: int, cells: list[tuple[int, int]]) -> tuple[list[int], list[tuple[list[int], list[int]]]]:
+    """A 3-dimensional tensor of one row of ``n`` along ``axis``, and chunks (start, length) along that row."""
+    size = [1, 1, 1]
+    size[axis] = n
+    chunks = []
+    for start, length in cells:
+        offsets, sizes = [0, 0, 0], [1, 1, 1]
+        offsets[axis], sizes[axis] = start, length
+        chunks.append((offsets, sizes))
+    return size, chunks
+
+
+@pytest.mark.parametrize("axis", [0, 1, 2])
+def test_overlapping_chunks_side_by_side_are_refused_along_every_dimension(axis: int) -> None:
+    """A row of 10,000 chunks along each dimension: the first covers cells 0-1, the last cell 1 again, and
+    cell 9,999 is nobody's (the volumes add up). The same row without the overlap loads."""
+    n = 10_000
+    units = [(i, 1) for i in range(2, n - 1)]
+    assert _decoded_chunks(*_row(axis, n, [(0, 2), *units, (n - 1, 1)])) == n - 1
+    with pytest.raises(CheckpointLoadError, match="overlap"):
+        _decoded_chunks(*_row(axis, n, [(0, 2), *units, (1, 1)]))
+
+
+@pytest.mark.parametrize("moved, to", [(([1, 2, 2], [1, 2, 2]), [1, 2, 1]), (([1, 2, 2], [1, 2, 2]), [1, 1, 2]),
+                                       (([0, 2, 2], [1, 2, 2]), [0, 1, 1])])
+def test_overlapping_blocks_of_a_grid_are_refused(moved: tuple[list[int], list[int]], to: list[int]) -> None:
+    """A [2, 4, 4] tensor in eight [1, 2, 2] blocks, one of them moved by one along dimension 3, 2 or both:
+    it overlaps its neighbours and leaves a hole (the volumes still add up)."""
+    blocks = [([a, b, c], [1, 2, 2]) for a in range(2) for b in (0, 2) for c in (0, 2)]
+    assert _decoded_chunks([2, 4, 4], blocks) == 8
+    with pytest.raises(CheckpointLoadError, match="overlap"):
+        _decoded_chunks([2, 4, 4], [(to, sizes) if (offsets, sizes) == moved else (offsets, sizes)
+                                    for offsets, sizes in blocks])
+
+
+@pytest.mark.parametrize("shape, mesh, placements", [
+    ((10, 3), (4,), (Shard(0),)),  # FSDP, uneven: 3, 3, 3, 1
+    ((5, 3), (4,), (Shard(0),)),  # 2, 2, 1 and an empty shard
+    ((2, 3), (4,), (Shard(0),)),  # two empty shards
+    ((3, 7), (2, 3), (Shard(0), Shard(1))),  # 2-D, uneven both ways
+    ((7, 5, 3), (2, 2, 2), (Shard(0), Shard(0), Shard(2))),  # dimension 0 cut twice, and dimension 2
+    ((4, 6), (2, 3), (Replicate(), Shard(1))),  # TP: replicas are written once
+    ((1, 2), (2, 2), (Shard(1), Shard(1))),  # more pieces than elements
+])
+def test_every_dtensor_layout_is_accepted(shape: tuple[int, ...], mesh: tuple[int, ...],
+                                         placements: tuple[Any, ...]) -> None:
+    """The chunks DCP writes of a DTensor: each rank's local shape and offset as torch computes them, for
+    every rank of the mesh, one chunk per distinct offset (DCP writes replicas once)."""
+    chunks: dict[tuple[int, ...], list[int]] = {}
+    for coordinate in itertools.product(*map(range, mesh)):
+        sizes, offsets = _compute_local_shape_and_global_offset(shape, mesh, list(coordinate), placements)
+        chunks[tuple(offsets)] = list(sizes)
+    assert _decoded_chunks(list(shape), [(list(o), s) for o, s in chunks.items()]) == len(chunks)
+
+
+def test_metadata_too_costly_to_parse_is_refused_before_it_is_parsed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """27 MB of empty lists, under the byte limit: 30 MiB of them took 775 MiB to parse before they were
+    refused; now they are refused before the parser runs."""
+    def parse(data: bytes) -> Any:
+        raise AssertionError("parsed")
+    monkeypatch.setattr(dcp_storage, "strict_json", parse)
+    data = b"[" + b"[]," * 9_000_000 + b"[]]"
+    assert len(data) < dcp_storage.MAX_METADATA_BYTES
+    with pytest.raises(CheckpointLoadError, match="memory to parse"):
+        dcp_storage.decode_metadata(data, {}, "ck")
+
+
+@pytest.mark.parametrize("unit", [b"[]", b"{}", b"[0]", b'["ab"]', b'"abcdefgh"', b"1000", b"1.5", b"1" * 40,
+                                  b'{"a":0}', b"[[[0]]]", b'{"k%d":[]}', b'{"k%d":"ab"}',
+                                  '"\u4e00\u4e00"'.encode(), ('"' + "x" * 20 + "\U0001F600" + '"').encode(),
+                                  b'"xx\\u4e00"', b'"' + b"x" * 100_000 + b'"'])
+def test_the_cost_of_parsing_metadata_is_never_underestimated(unit: bytes) -> None:
+    """What the pre-check lets through takes no more memory to parse than it estimated: a list of
+    20,000 of ``unit`` (``%d`` a unique number), as much as tracemalloc sees json.loads allocate."""
+    data = b"[" + b",".join(unit.replace(b"%d", b"%d" % i) for i in range(20_000)) + b"]"
+    gc.collect()
+    tracemalloc.start()
+    try:
+        strict_json(data)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak <= dcp_storage._json_cost(data)
+
+
+def test_a_compressed_record_is_refused_before_torch_inflates_it() -> None:
+    """A 390 KB slice of a compressed torch.zeros(10^8) made the job allocate 1.5 GB before the dtype check
+    refused it. torch reads the compressed file (the refusal is the check's), and the stored one loads."""
+    buf = io.BytesIO()
+    torch.save({"zeros": torch.zeros(100_000)}, buf)
+    bomb = _deflated(buf.getvalue())
+    assert len(bomb) < len(buf.getvalue()) // 50
+    assert torch.equal(torch.load(io.BytesIO(bomb), weights_only=True)["zeros"], torch.zeros(100_000))
+    with pytest.raises(CheckpointLoadError, match="compressed"):
+        load_weights_only(io.BytesIO(bomb), "slice")
+    assert torch.equal(load_weights_only(io.BytesIO(buf.getvalue()), "slice")["zeros"], torch.zeros(100_000))
+
+
+@pytest.mark.parametrize("name", ["compressed-tensor-chunk", "compressed-bytes-item"])
+def test_a_sharded_checkpoint_with_a_compressed_record_is_corrupt(saved: Path, tmp_path: Path, name: str) -> None:
+    """A chunk, and a non-tensor item, pointed at their own bytes compressed: refused for that."""
+    folder, manifest = tampered(newest(saved / "w2"), tmp_path / "step-000000000002", name, tmp_path / "pwned")
+    with pytest.raises(CheckpointLoadError, match="is compressed") as refused:
+        load_state_file(folder, manifest)
+    assert str(folder) in str(refused.value) and "\n" not in str(refused.value)
 
 
 @pytest.mark.parametrize("change, refusal", [
