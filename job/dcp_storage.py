@@ -71,10 +71,12 @@ FORMAT_VERSION = 1
 # Bounds on what a metadata file may ask of a reader, far above any real checkpoint. What a load
 # allocates is bounded by the bytes of the data files besides (decode_metadata).
 # The memory that parsing the JSON takes, as _json_cost estimates it (never below it): ~2,100 bytes
-# per chunk of this module's encoding, whose Python objects take ~650, so some 500,000 chunks of all
-# tensors together, in ~50 MB of JSON.
-MAX_JSON_COST = 1024 * 1024 * 1024
-MAX_METADATA_BYTES = 128 * 1024 * 1024  # room for long keys besides; 512 MiB of JSON took up to 13 GiB to parse
+# per chunk of this module's encoding, whose Python objects take ~650, so some 2,000,000 chunks of all
+# tensors together (a 7B model's weights and Adam moments on 2,000 ranks), in ~190 MB of JSON; a
+# hostile file, at most about 4 GiB while it is parsed (512 MiB of JSON took up to 13 GiB before).
+# encode_metadata refuses to write what a reader would refuse.
+MAX_JSON_COST = 4 * 1024 * 1024 * 1024
+MAX_METADATA_BYTES = 256 * 1024 * 1024  # room for long keys besides
 MAX_ITEMS = 10_000_000
 MAX_CHUNKS = 1_000_000  # of one tensor
 MAX_DIMS = 64
@@ -164,7 +166,12 @@ def encode_metadata(metadata: Metadata) -> bytes:
         else:
             items.append({"key": key, "path": path, "kind": "bytes", **_where(metadata.storage_data[MetadataIndex(key)])})
     doc = {"format": FORMAT, "format_version": FORMAT_VERSION, "dcp_version": metadata.version or "", "items": items}
-    return json.dumps(doc, separators=(",", ":")).encode()
+    data = json.dumps(doc, separators=(",", ":")).encode()
+    if len(data) > MAX_METADATA_BYTES or _json_cost(data) > MAX_JSON_COST:  # caught here, not at the resume
+        chunks = sum(len(item.get("chunks", ())) for item in items)
+        raise ValueError(f"the checkpoint's layout ({chunks} chunks, {len(data) >> 20} MiB of metadata) is more "
+                         "than its reader accepts (job.dcp_storage.MAX_JSON_COST): shard over fewer ranks")
+    return data
 
 
 def _where(info: Any) -> dict[str, Any]:
@@ -281,7 +288,7 @@ class _Decoder:
         cost = _json_cost(data)
         if cost > MAX_JSON_COST:
             raise _Invalid(f"its JSON would take about {cost >> 20} MiB of memory to parse, more than the "
-                           f"{MAX_JSON_COST >> 20} MiB allowed (some 500,000 chunks)")
+                           f"{MAX_JSON_COST >> 20} MiB allowed (some 2,000,000 chunks)")
         try:
             doc = strict_json(data)
         except ValueError as e:

@@ -419,15 +419,34 @@ def test_every_dtensor_layout_is_accepted(shape: tuple[int, ...], mesh: tuple[in
 
 
 def test_metadata_too_costly_to_parse_is_refused_before_it_is_parsed(monkeypatch: pytest.MonkeyPatch) -> None:
-    """27 MB of empty lists, under the byte limit: 30 MiB of them took 775 MiB to parse before they were
-    refused; now they are refused before the parser runs."""
+    """120 MB of empty lists, under the byte limit: 30 MiB of them took 775 MiB to parse before they were
+    refused, these would take some 3 GiB; now they are refused before the parser runs."""
     def parse(data: bytes) -> Any:
         raise AssertionError("parsed")
     monkeypatch.setattr(dcp_storage, "strict_json", parse)
-    data = b"[" + b"[]," * 9_000_000 + b"[]]"
+    data = b"[" + b"[]," * 40_000_000 + b"[]]"
     assert len(data) < dcp_storage.MAX_METADATA_BYTES
     with pytest.raises(CheckpointLoadError, match="memory to parse"):
         dcp_storage.decode_metadata(data, {}, "ck")
+
+
+def test_a_layout_its_reader_would_refuse_is_not_written(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer holds itself to the reader's limits: a checkpoint the next start would refuse as damaged
+    (set aside, its work lost) fails as it is written instead, its layout named."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                       TensorProperties, TensorStorageMetadata)
+
+    offsets = [torch.Size([0, i]) for i in range(100)]
+    metadata = Metadata(
+        state_dict_metadata={"w": TensorStorageMetadata(TensorProperties(dtype=torch.bool), torch.Size([1, 100]),
+                                                        [ChunkStorageMetadata(o, torch.Size([1, 1])) for o in offsets])},
+        storage_data={MetadataIndex("w", o): _StorageInfo("__0_0.distcp", i, 1) for i, o in enumerate(offsets)})
+    data = dcp_storage.encode_metadata(metadata)
+    assert len(dcp_storage.decode_metadata(data, {"__0_0.distcp": 100}, "ck").state_dict_metadata["w"].chunks) == 100
+    monkeypatch.setattr(dcp_storage, "MAX_JSON_COST", dcp_storage._json_cost(data) - 1)
+    with pytest.raises(ValueError, match=r"the checkpoint's layout \(100 chunks, 0 MiB of metadata\) is more than"):
+        dcp_storage.encode_metadata(metadata)
 
 
 @pytest.mark.parametrize("unit", [b"[]", b"{}", b"[0]", b'["ab"]', b'"abcdefgh"', b"1000", b"1.5", b"1" * 40,
