@@ -438,9 +438,10 @@ def test_a_layout_its_reader_would_refuse_is_not_written(monkeypatch: pytest.Mon
                                                        TensorProperties, TensorStorageMetadata)
 
     offsets = [torch.Size([0, i]) for i in range(100)]
+    chunks = [ChunkStorageMetadata(o, torch.Size([1, 1])) for o in offsets]
     metadata = Metadata(
         state_dict_metadata={"w": TensorStorageMetadata(TensorProperties(dtype=torch.bool), torch.Size([1, 100]),
-                                                        [ChunkStorageMetadata(o, torch.Size([1, 1])) for o in offsets])},
+                                                        chunks)},
         storage_data={MetadataIndex("w", o): _StorageInfo("__0_0.distcp", i, 1) for i, o in enumerate(offsets)})
     data = dcp_storage.encode_metadata(metadata)
     assert len(dcp_storage.decode_metadata(data, {"__0_0.distcp": 100}, "ck").state_dict_metadata["w"].chunks) == 100
