@@ -532,11 +532,13 @@ def claim_folder(folder: Path) -> None:
     Nothing is created here: a folder that does not exist yet is judged by the nearest one above it
     that does, and made by the first save or pull, so a run refused for a bad flag leaves no trace.
     """
-    existing = local.nearest_existing(folder)
     try:
+        existing = local.nearest_existing(folder)  # a folder above it this user may not enter: EACCES
         if not existing.is_dir():
             raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
-        if not os.access(existing, os.W_OK | os.X_OK):  # EROFS shows up here too
+        if os.statvfs(existing).f_flag & os.ST_RDONLY:  # os.access says EACCES for it: name the mount instead
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+        if not os.access(existing, os.W_OK | os.X_OK):
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
         local.clear_finished(folder)
         local.clean_staging(folder)

@@ -24,7 +24,7 @@ from job.build import Run, total_batches
 from job.config import TrainConfig
 from job.exceptions import CheckpointLoadError, ConfigError
 from job.restore import ADVICE
-from job.safe_load import clip
+from state.display import brief
 from state import SEED_LIMIT
 from state.metrics import load_metric_state
 from state.rng import capture_rng, restore_rng, seed_all
@@ -106,7 +106,7 @@ def _samples(meta: dict[str, Any], key: str, checkpoint: str) -> int | None:
     """A number of samples the manifest records (None when it does not): a whole number, at least 1."""
     value = meta.get(key)
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise CheckpointLoadError(f"{checkpoint} is damaged: its manifest records {key} {clip(repr(value), 40)}, "
+        raise CheckpointLoadError(f"{checkpoint} is damaged: its manifest records {key} {brief(value, 40)}, "
                                   f"not a number of samples; {ADVICE}")
     return value
 
@@ -115,7 +115,7 @@ def _ranks_that_wrote(meta: dict[str, Any], checkpoint: str) -> int:
     """The number of ranks that wrote a checkpoint, from its manifest (1 when not recorded)."""
     value = meta.get("world_size", 1)
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_RANKS:
-        raise CheckpointLoadError(f"{checkpoint} is damaged: its manifest records world_size {clip(repr(value), 40)}, "
+        raise CheckpointLoadError(f"{checkpoint} is damaged: its manifest records world_size {brief(value, 40)}, "
                                   f"not a number of ranks; {ADVICE}")
     return value
 
@@ -191,8 +191,13 @@ def for_this_rank(tree: dict[str, Any], rank: int, world: int, seed: int, step: 
     if len(per_rank) == world:  # the same ranks: each its own, exactly
         mine.update({k: v for k, v in per_rank[rank].items() if v is not None})
         return Handover(mine, [])
-    own = per_rank[rank] if rank < len(per_rank) else {}
-    mine["rng"] = own.get("rng") or derived_rng(seed, rank, step)
+    if rank < len(per_rank):  # an old rank's streams go on; one without them is damage, not a new rank
+        if not per_rank[rank].get("rng"):
+            raise CheckpointLoadError(f"checkpoint {source} is damaged: the state of its rank {rank} has no rng "
+                                      f"(every rank saves its own); {ADVICE}")
+        mine["rng"] = per_rank[rank]["rng"]
+    else:
+        mine["rng"] = derived_rng(seed, rank, step)
     if per_rank[0].get("train_metrics") is not None:
         mine["train_metrics"] = per_rank[0]["train_metrics"]  # new rank 0: old rank 0's, then the others'
     if rank > 0:

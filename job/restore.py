@@ -20,6 +20,7 @@ import torch
 
 from job.exceptions import CheckpointLoadError
 from job.safe_load import clip
+from state.display import brief
 from state import SEED_LIMIT, State
 from state.exceptions import StateError
 
@@ -105,12 +106,18 @@ def _plain_problem(state: State) -> str | None:
     number of ranks, which derives new ranks' seeds from it) and the last computed metrics."""
     seed = state.rank_zero_seed
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT:
-        return f"its rank_zero_seed is {clip(repr(seed), 40)}, not a seed"
+        return f"its rank_zero_seed is {brief(seed, 40)}, not a seed"
     found = state.current_metrics  # logged as numbers at each evaluation and at the end
     if not isinstance(found, Mapping) or not all(isinstance(v, Mapping) and all(map(_is_number, v.values()))
                                                  for v in found.values()):
         return "its current_metrics are not a mapping of metric values"
     return None
+
+
+# A timer's counts must leave room to count on: the manifest keeps them as int64, and a count near its end
+# (2**63 - 11 samples) resumed, then wrote checkpoints that every later start refused as damaged, each start
+# going back to the same one (review). Half the range is more samples or tokens than any run will see.
+TIMER_LIMIT = 2 ** 62
 
 
 def _timer_problem(state: State, step: int, timer: Mapping[str, int]) -> str | None:
@@ -119,6 +126,9 @@ def _timer_problem(state: State, step: int, timer: Mapping[str, int]) -> str | N
     restored = state.timer.state_dict()
     if restored["batch"] != step:
         return f"its state is at step {restored['batch']}, its manifest at step {step}"
+    for name, value in restored.items():
+        if not 0 <= value < TIMER_LIMIT:
+            return f"its timer's {name} is {brief(value, 40)}, beyond the 2**62 a run's counts are kept below"
     for name, value in timer.items():
         if name in restored and restored[name] != value:
             return f"its timer's {name} is {restored[name]}, its manifest's {value}"
@@ -167,9 +177,9 @@ def _group_state_problem(opt: torch.optim.Optimizer, group: Mapping[str, Any]) -
                     f"{_names(expected[0] | expected[1])}")
         for name, value in per_param.items():
             if isinstance(value, torch.Tensor) and value.dtype == torch.bool:
-                return f"optimizer state {clip(repr(name), 40)} is a bool tensor"
+                return f"optimizer state {brief(name, 40)} is a bool tensor"
             if isinstance(value, torch.Tensor) and value.layout != torch.strided:  # lerp_ has no sparse kernel
-                return f"optimizer state {clip(repr(name), 40)} is a {value.layout} tensor, not a dense one"
+                return f"optimizer state {brief(name, 40)} is a {value.layout} tensor, not a dense one"
             if expected is not None and name in expected[1] and isinstance(value, torch.Tensor) and (
                     not value.is_floating_point()):  # torch writes a float32 count: an int one overflowed at +1
                 return f"optimizer state {name!r} is a tensor of {value.dtype}, not of a floating-point type"
@@ -177,15 +187,15 @@ def _group_state_problem(opt: torch.optim.Optimizer, group: Mapping[str, Any]) -
                 isinstance(value, torch.Tensor) and value.dim() > 0)
             if moment:  # of the parameter's shape
                 if not isinstance(value, torch.Tensor) or value.shape != param.shape:
-                    return (f"optimizer state {clip(repr(name), 40)} is {_kind(value)} for a parameter of shape "
+                    return (f"optimizer state {brief(name, 40)} is {_kind(value)} for a parameter of shape "
                             f"{tuple(param.shape)}")
                 shaped.add(name)
                 continue
             if not _is_number(value):
-                return f"optimizer state {clip(repr(name), 40)} is a {type(value).__name__}, not a tensor"
+                return f"optimizer state {brief(name, 40)} is a {type(value).__name__}, not a tensor"
             # torch steps from here: a step count of nan (or inf) trained NaN weights, -1 divided by zero.
             if not _finite(value) or (name == "step" and float(value) < 0):
-                return f"optimizer state {clip(repr(name), 40)} is {clip(repr(_plain(value)), 40)}, not a finite count"
+                return f"optimizer state {brief(name, 40)} is {brief(_plain(value), 40)}, not a finite count"
             if param.dim() > 0:  # for a parameter of no dimensions a moment is one number too
                 single.add(name)
     if len(names) > 1:
@@ -209,13 +219,13 @@ def _expected_entries(opt: torch.optim.Optimizer, group: Mapping[str, Any]) -> t
 
 
 def _names(names: Any) -> str:
-    return clip(", ".join(sorted(clip(repr(name), 40) for name in names)), 200)
+    return clip(", ".join(sorted(brief(name, 40) for name in names)), 200)
 
 
 def _kind(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"a tensor of shape {tuple(value.shape)}"
-    return clip(repr(value), 40) if _is_number(value) else f"a {type(value).__name__}"
+    return brief(value, 40) if _is_number(value) else f"a {type(value).__name__}"
 
 
 def _plain(value: Any) -> Any:
@@ -244,7 +254,7 @@ def _scaler_problem(state: State) -> str | None:
     for name, (kind, holds, wanted) in SCALER_LIMITS.items():
         value = found.get(name)
         if not _scaler_number(value, kind, holds):
-            return f"its GradScaler {name} is {clip(repr(value), 40)}, not {wanted}"
+            return f"its GradScaler {name} is {brief(value, 40)}, not {wanted}"
     if found["_growth_tracker"] >= found["growth_interval"]:  # it starts again from 0 on reaching it
         return (f"its GradScaler counted {found['_growth_tracker']} steps towards a growth_interval of "
                 f"{found['growth_interval']}")
@@ -325,12 +335,12 @@ def _settings_problem(state: State, before: dict[str, tuple[bool, Any]]) -> str 
         new = after[name][1]
         if _numeric(old):
             if not (_numeric(new) and _length(new) == _length(old)):
-                return f"{name} is {clip(repr(new), 60)}, not a number like {clip(repr(old), 60)}"
+                return f"{name} is {brief(new, 60)}, not a number like {brief(old, 60)}"
         elif isinstance(old, (bool, str)) or old is None:
             if optimizer and not (type(new) is type(old) and new == old):
-                return f"{name} is {clip(repr(new), 60)}, this run's optimizer has {clip(repr(old), 60)}"
+                return f"{name} is {brief(new, 60)}, this run's optimizer has {brief(old, 60)}"
             if not optimizer and old is not None and type(new) is not type(old):
-                return f"{name} is {clip(repr(new), 60)}, not a {type(old).__name__} like {clip(repr(old), 60)}"
+                return f"{name} is {brief(new, 60)}, not a {type(old).__name__} like {brief(old, 60)}"
     return None
 
 
@@ -349,7 +359,7 @@ def _range_problem(state: State) -> str | None:
                     return f"{where} {key} is {_plain(group[key])}, below 0"
             betas = group.get("betas")
             if _numeric(betas) and isinstance(betas, (list, tuple)) and not all(0 <= float(b) < 1 for b in betas):
-                return f"{where} betas are {clip(repr(betas), 60)}, not each from 0 up to 1 (not 1 itself)"
+                return f"{where} betas are {brief(betas, 60)}, not each from 0 up to 1 (not 1 itself)"
     return None
 
 

@@ -14,8 +14,10 @@ load refuses compressed records itself.
 from __future__ import annotations
 
 import io
+import itertools
 import pickle
 import re
+import sys
 import zipfile
 from pathlib import Path
 from typing import IO, Any
@@ -31,7 +33,7 @@ def load_weights_only(source: Path | IO[bytes], what: str, mmap: bool = False) -
     if not mmap:
         check_stored(source, what)
     try:
-        return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
+        loaded = torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         raise CheckpointLoadError(
             f"refusing to load {what}: it needs pickled code, which is never executed ({unpickler_reason(e)}); "
@@ -41,6 +43,50 @@ def load_weights_only(source: Path | IO[bytes], what: str, mmap: bool = False) -
         raise CheckpointLoadError(f"{what} is missing") from None
     except (RuntimeError, EOFError, ValueError, OSError) as e:
         raise CheckpointLoadError(f"{what} is not a readable torch file ({first_line(e)})") from None
+    check_unfolded(loaded, what)
+    return loaded
+
+
+# What a loaded tree may hold, counting each container and value once per place it appears: far above any
+# real state (a model's and its optimizer's tensors, a few entries each), and a bound on what any walk over
+# it costs. A pickle stores a shared object once: 1.4 KB held a list shared 40 levels deep, 2**40 places,
+# and torch's Optimizer.load_state_dict, the RNG restore and every repr walk it per place (hung, 24 GB).
+MAX_PLACES = 10_000_000
+
+
+def check_unfolded(tree: Any, what: str) -> None:
+    """A CheckpointLoadError unless ``tree`` (as torch.load returned it) has at most MAX_PLACES places once
+    its sharing is unfolded, and no container that holds itself (which every walk follows forever). Linear
+    in the distinct objects: each container's count is kept once found."""
+    counted: dict[int, int] = {}
+    open_now: set[int] = set()
+
+    def places(value: Any) -> int:
+        if not isinstance(value, (dict, list, tuple, set, frozenset)):
+            return 1
+        key = id(value)
+        if key in counted:
+            return counted[key]
+        if key in open_now:
+            raise CheckpointLoadError(f"{what} is damaged or hostile: a container in it holds itself")
+        open_now.add(key)
+        total = 1
+        # A dict's keys and values, never its items: each items() pair is a new tuple, and an id is only
+        # worth keeping for objects the tree keeps alive (a freed pair's id comes back for the next one).
+        for item in (itertools.chain(value.keys(), value.values()) if isinstance(value, dict) else value):
+            total += places(item)
+            if total > MAX_PLACES:
+                raise CheckpointLoadError(f"{what} is damaged or hostile: its objects, counted once per place they "
+                                          f"are shared into, number more than {MAX_PLACES:,}")
+        open_now.discard(key)
+        counted[key] = total
+        return total
+
+    try:
+        places(tree)
+    except RecursionError:
+        raise CheckpointLoadError(f"{what} is damaged or hostile: it nests containers deeper than "
+                                  f"{sys.getrecursionlimit()} levels") from None
 
 
 def check_stored(source: Path | IO[bytes], what: str) -> None:

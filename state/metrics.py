@@ -15,6 +15,7 @@ import torch
 from torchmetrics import Metric, MetricCollection
 from torchmetrics.utilities.data import dim_zero_max, dim_zero_mean, dim_zero_min, dim_zero_sum
 
+from state.display import brief
 from state.exceptions import StateError
 
 logger = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ def load_metric_state(metric: Metric | MetricCollection, state: Mapping[str, Any
     saved_states = _require(state, "states", label)
     update_count = _require(state, "update_count", label)
     if not isinstance(update_count, int) or isinstance(update_count, bool) or update_count < 0:
-        raise StateError(f"{label} state has an invalid update_count {update_count!r}")
+        raise StateError(f"{label} state has an invalid update_count {brief(update_count, 40)}")
     expected = set(metric._defaults)
     if set(saved_states) != expected:
         raise StateError(

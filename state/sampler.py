@@ -7,6 +7,8 @@ from collections.abc import Iterator
 
 import torch
 
+from state.display import brief
+
 logger = logging.getLogger(__name__)
 
 _MASK64 = (1 << 64) - 1
@@ -121,7 +123,7 @@ class ResumableBatchSampler:
 
 def _check_int(name: str, value: object, minimum: int | None = None) -> None:
     if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}: {value!r}")
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}: {brief(value, 40)}")
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
 

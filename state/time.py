@@ -8,6 +8,7 @@ import re
 from enum import Enum
 from typing import Any, Generic, TypeVar
 
+from state.display import brief
 from state.exceptions import StateError
 from state.serializable import Serializable
 
@@ -66,7 +67,7 @@ class Time(Generic[TValue]):
 
     def __init__(self, value: TValue, unit: TimeUnit | str) -> None:
         if not _is_number(value):
-            raise TypeError(f"Time value must be an int or float, got {type(value).__name__}: {value!r}")
+            raise TypeError(f"Time value must be an int or float, got {type(value).__name__}: {brief(value, 40)}")
         self._unit = TimeUnit(unit)
         # A fraction is a float whatever it was given as (as in Composer), so "1dur" scaled stays a fraction.
         self._value: TValue = float(value) if self._unit is TimeUnit.DURATION else value  # type: ignore[assignment]
@@ -427,6 +428,6 @@ def _like(original: Number, value: float) -> Any:
 
 def _check_count(name: str, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}: {value!r}")
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}: {brief(value, 40)}")
     if value < 0:
         raise ValueError(f"{name} must be >= 0, got {value}")

@@ -44,7 +44,7 @@ from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
 
-from uploader.exceptions import CorruptCheckpoint, ManifestError, UnsupportedFormat
+from uploader.exceptions import CorruptCheckpoint, LocalAccessError, ManifestError, UnsupportedFormat
 from uploader.hashing import ALGORITHMS, BLAKE3, SHA256, file_digest
 
 MANIFEST_NAME = "manifest.json"
@@ -208,7 +208,7 @@ class Manifest:
         except FileNotFoundError:
             raise CorruptCheckpoint(f"{folder}: no {MANIFEST_NAME}, the checkpoint is incomplete") from None
         except OSError as e:
-            raise CorruptCheckpoint(f"{folder}: cannot read its {MANIFEST_NAME} ({e.strerror or e})") from None
+            raise _unreadable(f"{folder}: cannot read its {MANIFEST_NAME}", e) from None
 
     def for_step(self, step: int) -> Manifest:
         """This manifest, if it is for ``step`` (the step its checkpoint's name says); ManifestError if not. A
@@ -231,7 +231,7 @@ class Manifest:
             except FileNotFoundError:
                 raise CorruptCheckpoint(f"{folder}: {entry.path} is missing") from None
             except OSError as e:
-                raise CorruptCheckpoint(f"{folder}: {entry.path} cannot be read ({e.strerror or e})") from None
+                raise _unreadable(f"{folder}: {entry.path} cannot be read", e) from None
             if not stat.S_ISREG(st.st_mode):
                 raise CorruptCheckpoint(f"{folder}: {entry.path} is not a regular file (a link, folder or device)")
             if st.st_size != entry.size:
@@ -241,9 +241,19 @@ class Manifest:
             try:
                 size, digest = file_digest(path, entry.block_size, algorithm=entry.algorithm)
             except OSError as e:
-                raise CorruptCheckpoint(f"{folder}: {entry.path} cannot be read ({e.strerror or e})") from None
+                raise _unreadable(f"{folder}: {entry.path} cannot be read", e) from None
             if size != entry.size or digest != entry.digest:
                 raise CorruptCheckpoint(f"{folder}: {entry.path} fails its {entry.algorithm} check")
+
+
+def _unreadable(what: str, e: OSError) -> CorruptCheckpoint | LocalAccessError:
+    """A checkpoint's file this process may not read is not damaged: set aside as corrupt (as before), a good
+    checkpoint was lost to a permission (exit 3 instead, and it is left as it is). Any other failure to
+    read it (EIO, a folder in its place) is damage."""
+    if isinstance(e, PermissionError):
+        return LocalAccessError(f"{what} ({e.strerror or e}): run as a user that may read the checkpoint (the "
+                                "uid that wrote it, or a shared group and fsGroup); it is left as it is")
+    return CorruptCheckpoint(f"{what} ({e.strerror or e})")
 
 
 @contextlib.contextmanager

@@ -1,6 +1,7 @@
 """Checkpoint files: atomic commit, manifest contents, retention, corrupt and hostile checkpoints."""
 from __future__ import annotations
 
+import io
 import json
 import logging
 import re
@@ -242,3 +243,29 @@ def test_announce_hands_over_only_a_checkpoint_whose_commit_held_it_back(tmp_pat
     commit(8, announce=True)
     ck.announce(6)  # 8 went up since
     assert uploads == [4, 8]
+
+
+@pytest.mark.parametrize("mmap", [True, False], ids=["a-whole-file", "a-byte-range"])
+def test_a_file_whose_shared_objects_unfold_past_any_state_is_refused_as_it_loads(tmp_path, mmap):
+    """A pickle stores a shared object once: 1.4 KB held a list shared 40 levels deep, and torch's optimizer
+    load, the RNG restore and every repr walked its 2**40 places (a hung start-up, 24 GB). Sharing within
+    bounds loads, as a model's tied weights do."""
+    from job.safe_load import MAX_PLACES, load_weights_only
+
+    shared: list = [0.5]
+    for _ in range(40):
+        shared = [shared, shared]
+    cycle: list = [0.5]
+    cycle.append(cycle)
+    tied = torch.zeros(3)
+    for name, tree, says in [("dag", {"rng": shared}, f"number more than {MAX_PLACES:,}"),
+                             ("cycle", {"rng": cycle}, "a container in it holds itself"),
+                             ("tied", {"a": tied, "b": tied, "list": [[1, 2]] * 1000}, None)]:
+        torch.save(tree, tmp_path / name)
+        source = tmp_path / name if mmap else io.BytesIO((tmp_path / name).read_bytes())
+        if says is None:
+            loaded = load_weights_only(source, name, mmap=mmap)
+            assert loaded["a"] is loaded["b"] and loaded["list"] == [[1, 2]] * 1000
+        else:
+            with pytest.raises(CheckpointLoadError, match=f"{name} is damaged or hostile: .*{re.escape(says)}"):
+                load_weights_only(source, name, mmap=mmap)

@@ -2,13 +2,18 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
 
 from job.cli import main
 from tests.support.checkpoints import checkpoints_of
 from tests.support.disk import limit_file_size
-from tests.support.jobs import events, inspect, job_env, run_job
+from tests.support.jobs import events, inspect, job_cmd, job_env, run_job
+from tests.support.users import as_nobody
 from uploader import local
 
 TINY_ARGS = ["--max-duration", "30ba", "--batch-size", "64", "--eval-interval", "10ba", "--seed", "3"]
@@ -217,6 +222,23 @@ def test_unwritable_save_folder_fails_at_start_up(tmp_path):
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith(f"job: error: cannot write checkpoints to {tmp_path / 'a-file' / 'ck'}: Not a directory")
     assert not [e for e in events(done.stderr) if e["event"] in ("progress", "checkpoint")]
+
+
+def test_a_save_folder_inside_one_this_user_may_not_enter_fails_at_start_up_in_one_line():
+    """Looking for the nearest folder that exists met EACCES: a traceback (exit 1, "a bug"). Root enters any
+    folder: the job runs as nobody then, in /tmp (pytest's tmp_path lies in a folder only its owner may enter)."""
+    with tempfile.TemporaryDirectory() as top:
+        closed, as_root = Path(top) / "closed", os.geteuid() == 0
+        closed.mkdir(mode=0o700 if as_root else 0)
+        Path(top).chmod(0o755)
+        command = job_cmd("train", *TINY_ARGS, "--save-folder", str(closed / "ck"))
+        done = subprocess.run(as_nobody(command) if as_root else command, env=job_env(), cwd=top,
+                              capture_output=True, text=True, timeout=120)
+        closed.chmod(0o700)
+    assert done.returncode == 7, done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith(
+        f"job: error: cannot write checkpoints to {closed / 'ck'}: Permission denied; make it writable")
+    assert "Traceback" not in done.stderr
 
 
 def test_an_older_runs_marker_that_cannot_be_cleared_is_a_write_error(tmp_path):

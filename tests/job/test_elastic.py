@@ -8,11 +8,13 @@ floating-point order of the gradient reduction differs).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from job.checkpoint import STATE_FILE, open_checkpoint
+from job.exceptions import CheckpointLoadError
 from tests.support.checkpoints import reseal
 from tests.support.elastic import DATASET, assert_close, final_model, resumed, run
 from tests.support.jobs import events
@@ -141,3 +143,18 @@ def test_a_new_rank_s_rng_is_derived_from_seed_rank_and_step() -> None:
     assert torch.equal(torch.get_rng_state(), before)  # the current streams are left alone
     assert torch.equal(a["torch"], b["torch"]) and not torch.equal(a["torch"], c["torch"])
     assert set(a) == set(capture_rng())
+
+
+@pytest.mark.parametrize("rng", [None, {}], ids=["without-rng", "empty-rng"])
+def test_an_old_rank_without_its_rng_is_damage_on_another_number_of_ranks_too(rng: dict[str, Any] | None) -> None:
+    """Only a rank the old run did not have derives its streams. Old rank 0's missing was taken for a new
+    rank's, and the run trained on with derived streams, silently (review); on the same number of ranks it
+    was refused already."""
+    from job.elastic import for_this_rank
+    from state.rng import capture_rng
+
+    per_rank = [{} if rng is None else {"rng": rng}, {"rng": capture_rng()}]
+    with pytest.raises(CheckpointLoadError, match="damaged: the state of its rank 0 has no rng"):
+        for_this_rank({"per_rank": per_rank}, 0, 1, seed=5, step=10, source="ck")
+    assert for_this_rank({"per_rank": per_rank}, 2, 3, seed=5, step=10, source="ck").tree["rng"] is not None
+

@@ -3,8 +3,11 @@ before training starts, and nothing of the run's good checkpoints is changed (jo
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import subprocess
+import tempfile
 import warnings
 from collections.abc import Callable
 from dataclasses import replace
@@ -21,7 +24,9 @@ from job.restore import restore
 from state import State
 from tests.support.checkpoints import checkpoints_of, reseal
 from tests.support.hostile import DELETED, HOSTILE, IN_JSON, edit, entries, first_line
-from tests.support.jobs import assert_states_equal, ckpt_config, run_job, train_config, train_state
+from tests.support.jobs import (assert_states_equal, ckpt_config, job_cmd, job_env, run_job, train_config,
+                                train_state)
+from tests.support.users import NOBODY, as_nobody
 from uploader import local
 
 Edit = Callable[[dict[str, Any]], Any]
@@ -302,6 +307,53 @@ def test_the_cli_says_one_line_exit_6_and_keeps_the_good_checkpoints(good: Path,
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("job: error: checkpoint") and "has no model" in last and "Traceback" not in done.stderr
     assert checkpoints_of(folder) == before
+
+
+@pytest.mark.parametrize(("state", "manifest", "says"), [
+    (_set("timer.Timer.sample", 2 ** 63 - 11), _set("timer.sample", 2 ** 63 - 11), "sample is 9223372036854775797"),
+    (_set("timer.Timer.epoch", 10 ** 30), _drop("timer.epoch"), "epoch is 1000000000000000000000000000000"),
+], ids=["near-the-end-of-int64", "not-in-the-manifest"])
+def test_a_timer_count_without_room_to_count_on_is_damage(good: Path, tmp_path: Path, state: Edit, manifest: Edit,
+                                                          says: str) -> None:
+    """Its manifest agreeing, a count near int64's end resumed, then wrote checkpoints every later start refused,
+    going back to it each time (review)."""
+    folder = damaged_copy(good, tmp_path, state=state, manifest=manifest)
+    before = checkpoints_of(folder)
+    with pytest.raises(CheckpointLoadError, match=re.escape(f"its timer's {says}, beyond the 2**62")):
+        train_state(train_config(max_duration="6ba"), ckpt_config(folder, interval="2ba", async_save=False))
+    assert checkpoints_of(folder) == before
+
+
+@pytest.mark.parametrize("unreadable", [STATE_FILE, "manifest.json"])
+def test_a_checkpoint_file_this_user_may_not_read_is_exit_3_and_never_set_aside(good: Path, unreadable: str) -> None:
+    """A good checkpoint whose file the job may not read (another uid wrote it, a volume's modes) was set aside
+    as corrupt, and the run resumed the one before it, its work lost to a permission (review). Root reads
+    anything: the job runs as nobody then, and the file stays root's."""
+    with tempfile.TemporaryDirectory() as top:  # pytest's tmp_path lies in a folder only its owner may enter
+        _resume_with_a_file_it_may_not_read(good, Path(top), unreadable)
+
+
+def _resume_with_a_file_it_may_not_read(good: Path, tmp_path: Path, unreadable: str) -> None:
+    tmp_path.chmod(0o755)
+    folder = damaged_copy(good, tmp_path)
+    newest = folder / local.checkpoint_name(4)
+    as_root = os.geteuid() == 0
+    if as_root:
+        for path in [folder, *folder.rglob("*")]:
+            os.chown(path, NOBODY, NOBODY)
+        os.chown(newest / unreadable, 0, 0)
+    (newest / unreadable).chmod(0o600 if as_root else 0)
+    before = checkpoints_of(folder)
+    command = job_cmd("train", "--max-duration", "6ba", "--save-interval", "2ba", "--save-folder", str(folder))
+    done = subprocess.run(as_nobody(command) if as_root else command, env=job_env(), cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    (newest / unreadable).chmod(0o644)
+    assert done.returncode == 3, done.stderr[-2000:]
+    what = "cannot read its manifest.json" if unreadable == "manifest.json" else f"{unreadable} cannot be read"
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"job: error: {newest}: {what} (Permission denied): run as a user that may read the checkpoint (the uid "
+        "that wrote it, or a shared group and fsGroup); it is left as it is")
+    assert checkpoints_of(folder) == before and not list(folder.glob("corrupt-*"))
 
 
 @pytest.mark.parametrize("model", [5, [1, 2], {7: torch.zeros(2)}])

@@ -16,14 +16,33 @@ from job.safe_load import first_line as safe_line
 
 DELETED = object()  # what edit() puts in place of an entry it removes
 
+def _shared_deep(depth: int) -> list[Any]:
+    """A list of two references to one list, ``depth`` levels down: pickle stores each level once (a few
+    bytes), anything that walks it per reference meets 2**depth leaves."""
+    shared: list[Any] = [0.5]
+    for _ in range(depth):
+        shared = [shared, shared]
+    return shared
+
+
+def _holding_itself() -> list[Any]:
+    cycle: list[Any] = [0.5]
+    cycle.append(cycle)
+    return cycle
+
+
+# Only a pickle can share or loop: JSON writes every reference out.
+PICKLE_ONLY: dict[str, Any] = {"a list shared 60 levels deep": _shared_deep(60),
+                               "a list that holds itself": _holding_itself()}
 HOSTILE: dict[str, Any] = {
     "None": None, "'x'": "x", "-1": -1, "2**70": 2 ** 70, "nan": float("nan"), "{}": {}, "True": True,
     "an empty tensor": torch.zeros(0), "a 3x3 tensor": torch.zeros(3, 3), "tensor(True)": torch.tensor(True),
-    "deleted": DELETED,
+    "deleted": DELETED, **PICKLE_ONLY,
 }
 # What a JSON file can hold in place of an entry (its NaN is refused as JSON, before any field is read).
 IN_JSON: dict[str, Any] = {**{name: value for name, value in HOSTILE.items()
-                              if not isinstance(value, (torch.Tensor, float))}, "0": 0, "0.5": 0.5, "[]": []}
+                              if not isinstance(value, (torch.Tensor, float)) and name not in PICKLE_ONLY},
+                           "0": 0, "0.5": 0.5, "[]": []}
 
 
 def edit(path: str | tuple[Any, ...], value: Any) -> Callable[[Any], None]:

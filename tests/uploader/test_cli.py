@@ -16,6 +16,7 @@ from tests.support.checkpoints import checkpoints_of, corrupt_file, data_files_o
 from tests.support.disk import FILE_TOO_LARGE, limit_file_size, pull_refused
 from tests.support.s3server import ADMIN, Bucket, isolated_aws_env
 from tests.support.uploader_cli import cli_env, run_cli
+from tests.support.users import NOBODY, as_nobody
 from uploader.filesystem import FileRemote
 from uploader.local import LocalCheckpoint, list_committed, list_set_aside
 from uploader.manifest import MANIFEST_NAME
@@ -160,18 +161,6 @@ NOT_REPLACED: dict[str, tuple[Callable[[Path, LocalCheckpoint], None], str]] = {
 }
 
 
-NOBODY = 65534
-
-
-def _as_nobody(args: list[str]) -> list[str]:
-    """The uploader run by a user other than the files' owner, who may not read mode 000 (root may)."""
-    setpriv = shutil.which("setpriv")
-    if setpriv is None:
-        pytest.skip("running as root without setpriv: no user here is refused a read")
-    return [setpriv, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable, "-m", "uploader",
-            *args]
-
-
 def _sync_unreadable(top: Path, unreadable: str) -> tuple[subprocess.CompletedProcess[str], LocalCheckpoint, Path]:
     """``uploader sync`` of a checkpoint whose ``unreadable`` (a path in it; "" for the folder) is mode 000,
     run by a user who does not own it; returns the run, the checkpoint and the remote folder."""
@@ -184,7 +173,8 @@ def _sync_unreadable(top: Path, unreadable: str) -> tuple[subprocess.CompletedPr
         for path in [local, remote_dir, *local.rglob("*")]:
             os.chown(path, NOBODY, NOBODY)
     (ckpt.path / unreadable).chmod(0)
-    done = subprocess.run(_as_nobody(args) if os.geteuid() == 0 else [sys.executable, "-m", "uploader", *args],
+    command = [sys.executable, "-m", "uploader", *args]
+    done = subprocess.run(as_nobody(command) if os.geteuid() == 0 else command,
                           env=isolated_aws_env(ADMIN), capture_output=True, text=True, timeout=60)
     (ckpt.path / unreadable).chmod(0o755)
     return done, ckpt, remote_dir
