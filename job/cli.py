@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, NoReturn
 
 import click
+from click.core import ParameterSource
 import torch
 
 from job import distributed
@@ -225,6 +226,12 @@ def train(**o: Any) -> None:
 
     Under torchrun (env:// rendezvous) each process trains one shard of every batch with DDP.
     """
+    if os.environ.get("JOB_SAVE_FOLDER") == "" and (
+            click.get_current_context().get_parameter_source("save_folder") is ParameterSource.DEFAULT):
+        # click drops an empty variable: the default, ./checkpoints, in a container its own writable layer,
+        # which goes with the container and the checkpoints with it (a `$(LOCAL)` that expanded to nothing).
+        raise ConfigError("JOB_SAVE_FOLDER is set but empty: give it a folder, or unset it for the default "
+                          "./checkpoints")
     dist_cfg = torchrun_env()
     # Under torchrun only rank 0 tells the story, and on several nodes each node's leader too, in its own
     # pod's log (its uploads, its pull); the other ranks speak up for warnings and errors.

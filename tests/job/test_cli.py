@@ -112,6 +112,21 @@ def test_bad_settings_wherever_they_come_from_are_exit_2_in_one_line(capsys, tmp
     assert "SECRET-PASSWORD" not in err and not (tmp_path / "checkpoints").exists()
 
 
+def test_an_empty_save_folder_variable_is_refused_not_the_default(capsys, tmp_path, monkeypatch):
+    """click drops an empty variable: JOB_SAVE_FOLDER= trained into ./checkpoints, in a container its writable
+    layer. The flag given on the command line still wins over it."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("JOB_SAVE_FOLDER", "")
+    code, _, err = run_main(capsys, "train", "--max-duration", "1ba")
+    assert code == 2
+    assert err.strip() == ("job: error: JOB_SAVE_FOLDER is set but empty: give it a folder, or unset it for the "
+                           "default ./checkpoints")
+    assert not (tmp_path / "checkpoints").exists()
+    code, _, err = run_main(capsys, "train", "--max-duration", "1ba", "--save-folder", str(tmp_path / "given"))
+    assert code == 0, err
+    assert (tmp_path / "given").is_dir() and not (tmp_path / "checkpoints").exists()
+
+
 def test_a_seed_that_overflows_on_the_last_rank_is_refused_before_joining(capsys, tmp_path, monkeypatch):
     """Rank r seeds with seed + r: under torchrun the top seed is valid for rank 0 and not for rank 1."""
     monkeypatch.chdir(tmp_path)
