@@ -87,10 +87,11 @@ def list_committed(folder: Path) -> list[LocalCheckpoint]:
 
 def is_node_part(ckpt: LocalCheckpoint) -> bool:
     """Whether ``ckpt`` is one node's part of a multi-node checkpoint (never resumable alone); an
-    unreadable manifest counts as not (verification deals with it)."""
+    unreadable manifest counts as not (verification deals with it, if it is ever the one chosen: one this
+    user may not read must not stop the job from listing the others)."""
     try:
         return node_part(ckpt.manifest()) is not None
-    except (CorruptCheckpoint, ManifestError):
+    except (CorruptCheckpoint, ManifestError, LocalAccessError):
         return False
 
 
@@ -266,7 +267,7 @@ def _counted(ckpt: LocalCheckpoint) -> bool:
     try:
         ckpt.manifest().for_step(ckpt.step)
         problem = None
-    except (CorruptCheckpoint, ManifestError) as e:
+    except (CorruptCheckpoint, ManifestError, LocalAccessError) as e:  # not this user's to read: not counted
         problem = str(e)
     if problem is not None:  # the job prunes after every save
         warn_once(logger, ("local retention", str(ckpt.path), problem),

@@ -64,6 +64,7 @@ from pathlib import Path
 from uploader.destination import Destination, local_writes
 from uploader.exceptions import (
     CorruptCheckpoint,
+    LocalAccessError,
     LocalCheckpointError,
     LocalCorruptCheckpoint,
     LocalUnsupportedFormat,
@@ -607,7 +608,7 @@ def _verified_local(folder: Path, step: int) -> LocalCheckpoint | None:
                 if node_part(manifest) is not None:
                     return None
                 manifest.verify(ckpt.path)
-            except (CorruptCheckpoint, ManifestError):
+            except (CorruptCheckpoint, ManifestError, LocalAccessError):
                 return None
             return ckpt
     return None

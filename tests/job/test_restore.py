@@ -24,8 +24,8 @@ from job.restore import restore
 from state import State
 from tests.support.checkpoints import checkpoints_of, reseal
 from tests.support.hostile import DELETED, HOSTILE, IN_JSON, edit, entries, first_line
-from tests.support.jobs import (assert_states_equal, ckpt_config, job_cmd, job_env, run_job, train_config,
-                                train_state)
+from tests.support.jobs import (assert_states_equal, ckpt_config, events, job_cmd, job_env, run_job,
+                                train_config, train_state)
 from tests.support.users import NOBODY, as_nobody
 from uploader import local
 
@@ -327,33 +327,52 @@ def test_a_timer_count_without_room_to_count_on_is_damage(good: Path, tmp_path: 
 @pytest.mark.parametrize("unreadable", [STATE_FILE, "manifest.json"])
 def test_a_checkpoint_file_this_user_may_not_read_is_exit_3_and_never_set_aside(good: Path, unreadable: str) -> None:
     """A good checkpoint whose file the job may not read (another uid wrote it, a volume's modes) was set aside
-    as corrupt, and the run resumed the one before it, its work lost to a permission (review). Root reads
-    anything: the job runs as nobody then, and the file stays root's."""
+    as corrupt, and the run resumed the one before it, its work lost to a permission (review)."""
     with tempfile.TemporaryDirectory() as top:  # pytest's tmp_path lies in a folder only its owner may enter
-        _resume_with_a_file_it_may_not_read(good, Path(top), unreadable)
+        done, folder, before = _resume_with_a_file_it_may_not_read(good, Path(top), 4, unreadable)
+        newest = folder / local.checkpoint_name(4)
+        assert done.returncode == 3, done.stderr[-2000:]
+        what = "cannot read its manifest.json" if unreadable == "manifest.json" else f"{unreadable} cannot be read"
+        assert done.stderr.strip().splitlines()[-1] == (
+            f"job: error: {newest}: {what} (Permission denied): run as a user that may read the checkpoint (the uid "
+            "that wrote it, or a shared group and fsGroup); it is left as it is")
+        assert checkpoints_of(folder) == before and not list(folder.glob("corrupt-*"))
 
 
-def _resume_with_a_file_it_may_not_read(good: Path, tmp_path: Path, unreadable: str) -> None:
+def test_an_older_checkpoint_this_user_may_not_read_neither_stops_the_run_nor_is_pruned(good: Path) -> None:
+    """Listing every checkpoint (node parts, retention) read each one's manifest: one older that the job may
+    not read stopped every start with exit 3 (second review). It is left as it is, with a warning."""
+    with tempfile.TemporaryDirectory() as top:
+        done, folder, before = _resume_with_a_file_it_may_not_read(good, Path(top), 2, "manifest.json", keep="1")
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert [e["step"] for e in events(done.stderr) if e.get("event") == "resumed"] == [4]
+        assert "is neither counted nor deleted" in done.stderr
+        assert [c.step for c in local.list_committed(folder)] == [2, 6]  # step 4 pruned, step 2 kept
+        kept = local.checkpoint_name(2) + "/"
+        assert ({k: v for k, v in checkpoints_of(folder).items() if k.startswith(kept)}
+                == {k: v for k, v in before.items() if k.startswith(kept)} != {})
+
+
+def _resume_with_a_file_it_may_not_read(good: Path, tmp_path: Path, step: int, unreadable: str, keep: str = "3"
+                                        ) -> tuple[subprocess.CompletedProcess[str], Path, Any]:
+    """Resume a copy of ``good`` for 2 steps, as a user who may not read ``unreadable`` of step ``step``. Root
+    reads anything: the job runs as nobody then, and the file stays root's."""
     tmp_path.chmod(0o755)
     folder = damaged_copy(good, tmp_path)
-    newest = folder / local.checkpoint_name(4)
+    closed = folder / local.checkpoint_name(step) / unreadable
     as_root = os.geteuid() == 0
     if as_root:
         for path in [folder, *folder.rglob("*")]:
             os.chown(path, NOBODY, NOBODY)
-        os.chown(newest / unreadable, 0, 0)
-    (newest / unreadable).chmod(0o600 if as_root else 0)
+        os.chown(closed, 0, 0)
+    closed.chmod(0o600 if as_root else 0)
     before = checkpoints_of(folder)
-    command = job_cmd("train", "--max-duration", "6ba", "--save-interval", "2ba", "--save-folder", str(folder))
+    command = job_cmd("train", "--max-duration", "6ba", "--save-interval", "2ba", "--keep", keep, "--sync-save",
+                      "--log-format", "json", "--save-folder", str(folder))
     done = subprocess.run(as_nobody(command) if as_root else command, env=job_env(), cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)
-    (newest / unreadable).chmod(0o644)
-    assert done.returncode == 3, done.stderr[-2000:]
-    what = "cannot read its manifest.json" if unreadable == "manifest.json" else f"{unreadable} cannot be read"
-    assert done.stderr.strip().splitlines()[-1] == (
-        f"job: error: {newest}: {what} (Permission denied): run as a user that may read the checkpoint (the uid "
-        "that wrote it, or a shared group and fsGroup); it is left as it is")
-    assert checkpoints_of(folder) == before and not list(folder.glob("corrupt-*"))
+    closed.chmod(0o644)
+    return done, folder, before
 
 
 @pytest.mark.parametrize("model", [5, [1, 2], {7: torch.zeros(2)}])
