@@ -13,11 +13,13 @@ import re
 REDACTED = "***"
 
 # scheme://[userinfo@]rest[?query]. The userinfo runs to the LAST "@" before the path (a raw "@" in
-# a password is common); the query to the next blank or quote (URLs inside messages are quoted,
+# a password is common); once a ":" says a password follows, to the last "@" at all: a password may hold a
+# raw "/", "?" or "#" too (AWS secret keys hold "/"), and a path with an "@" after a port is then hidden
+# with it, the safe side. The query runs to the next blank or quote (URLs inside messages are quoted,
 # by botocore with "..." or `...`).
 _URL = re.compile(
     r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)"
-    r"(?P<userinfo>[^\s/?#'\"`<>]*@)?"
+    r"(?P<userinfo>[^\s/?#@'\"`<>]*:[^\s'\"`<>]*@|[^\s/?#'\"`<>]*@)?"
     r"(?P<rest>[^\s?'\"`<>]*)"
     r"(?P<query>\?[^\s'\"`<>]*)?"
 )

@@ -27,6 +27,8 @@ from uploader.s3 import S3Remote
         ("http://user:secret@127.0.0.1:9000", "http://***@127.0.0.1:9000"),
         ("http://user:p@ss@host/path", "http://***@host/path"),  # a raw "@" in the password
         ("http://token@host", "http://***@host"),
+        ("http://user:ab/cd@host:9000", "http://***@host:9000"),  # a "/" in the password (AWS secret keys)
+        ("http://user:ab?cd#ef@host", "http://***@host"),
         ("https://host/bucket/key?X-Amz-Signature=abc&X-Amz-Credential=k", "https://host/bucket/key?***"),
         ("s3://bucket/a@b", "s3://bucket/a@b"),  # an "@" in the path is no userinfo
         ("user:secret@127.0.0.1:9000", "***@127.0.0.1:9000"),  # no scheme: a typo the config refuses
