@@ -62,7 +62,8 @@ from torch.futures import Future
 
 from job import distributed
 from job.exceptions import CheckpointLoadError, CheckpointWriteError
-from job.safe_load import clip, first_line, load_weights_only
+from job.safe_load import first_line, load_weights_only
+from state.display import clip
 from uploader.hashing import BLOCK_SIZE, digest_bytes
 from uploader.manifest import DCP_DATA_RE, DCP_METADATA, FileEntry, Manifest, open_regular, strict_json
 

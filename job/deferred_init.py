@@ -40,8 +40,8 @@ from torch.nn.parameter import UninitializedTensorMixin
 
 from job import distributed
 from job.exceptions import ConfigError
-from job.safe_load import clip
 from state import capture_rng, restore_rng
+from state.display import clip
 
 logger = logging.getLogger(__name__)
 

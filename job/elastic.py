@@ -24,8 +24,8 @@ from job.build import Run, total_batches
 from job.config import TrainConfig
 from job.exceptions import CheckpointLoadError, ConfigError
 from job.restore import ADVICE
-from state.display import brief
 from state import SEED_LIMIT
+from state.display import brief
 from state.metrics import load_metric_state
 from state.rng import capture_rng, restore_rng, seed_all
 from state.sampler import _splitmix64

@@ -19,9 +19,8 @@ from typing import Any
 import torch
 
 from job.exceptions import CheckpointLoadError
-from job.safe_load import clip
-from state.display import brief
 from state import SEED_LIMIT, State
+from state.display import brief, clip
 from state.exceptions import StateError
 
 # Written by every version of the job; without them a resume would silently not be one.

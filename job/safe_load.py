@@ -25,6 +25,7 @@ from typing import IO, Any
 import torch
 
 from job.exceptions import CheckpointLoadError
+from state.display import clip
 
 
 def load_weights_only(source: Path | IO[bytes], what: str, mmap: bool = False) -> Any:
@@ -128,10 +129,3 @@ def first_line(e: BaseException, limit: int = 160) -> str:
     """An exception as one short line (torch's messages run over many)."""
     lines = str(e).strip().splitlines()
     return clip(lines[0] if lines else type(e).__name__, limit)
-
-
-def clip(text: str, limit: int) -> str:
-    """``text`` on one line (a tensor's repr has several) and cut to ``limit`` characters, with "..." when
-    cut: error lines stay one readable line."""
-    text = re.sub(r"\s*\n\s*", " ", text)
-    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,4 +1,4 @@
-"""Loaded values as error messages show them: bounded, whatever the checkpoint holds."""
+"""Text and loaded values as error messages show them: one line, bounded, whatever the checkpoint holds."""
 from __future__ import annotations
 
 import re
@@ -20,5 +20,11 @@ def brief(value: Any, limit: int) -> str:
         text = shown.repr(value)
     except ValueError:  # an int of more digits than str() converts
         text = "an integer too long to show"
-    text = re.sub(r"\s*\n\s*", " ", text)  # a tensor's repr has several lines
+    return clip(text, limit)
+
+
+def clip(text: str, limit: int) -> str:
+    """``text`` on one line (a tensor's repr has several) and cut to ``limit`` characters, with "..." when
+    cut: error lines stay one readable line."""
+    text = re.sub(r"\s*\n\s*", " ", text)
     return text if len(text) <= limit else text[: limit - 3] + "..."
