@@ -15,7 +15,8 @@ import urllib.request
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Protocol
-from urllib.parse import urlparse
+
+from uploader.config import is_http_url
 
 logger = logging.getLogger(__name__)
 
@@ -111,12 +112,7 @@ def check_endpoint(url: str | None) -> None:
     warning, and the job would run without the notices it was asked to watch for."""
     if url is None:
         return
-    try:
-        parsed = urlparse(url)
-        usable = parsed.scheme in ("http", "https") and bool(parsed.hostname) and parsed.port != 0
-    except ValueError:  # a port out of range or not a number, a broken IPv6 literal
-        usable = False
-    if not usable:
+    if not is_http_url(url):
         raise ValueError(f"--spot-endpoint {url!r} is not an http(s) URL with a host and a port between 1 and "
                          "65535, e.g. http://169.254.169.254")
 

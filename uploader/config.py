@@ -50,7 +50,7 @@ class UploadConfig:
     keep: int = 3
 
     def __post_init__(self) -> None:
-        if self.endpoint_url is not None and not _is_http_url(self.endpoint_url):
+        if self.endpoint_url is not None and not is_http_url(self.endpoint_url):
             raise ValueError(  # the value may hold a user:password (redacted: the message is printed)
                 f"endpoint_url {redact_url(self.endpoint_url)!r} is not an http(s) URL with a host and a port "
                 "between 1 and 65535, e.g. http://127.0.0.1:8333"
@@ -77,9 +77,10 @@ class UploadConfig:
             raise ValueError(f"keep must be >= 1 (the newest checkpoint is never deleted), not {self.keep}")
 
 
-def _is_http_url(url: str) -> bool:
-    """http(s)://host[:port]: botocore only finds out about a bad port (99999, abc) or a broken IPv6
-    literal at the first request, where it would be reported as a failure of the storage."""
+def is_http_url(url: str) -> bool:
+    """http(s)://host[:port]: botocore (and urllib, for job.spot's notices) only finds out about a bad port
+    (99999, abc) or a broken IPv6 literal at the first request, where it would be reported as a failure
+    of the storage or of every poll."""
     try:
         parsed = urlparse(url)
         port = parsed.port  # ValueError when out of range or not a number
