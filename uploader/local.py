@@ -85,13 +85,19 @@ def list_committed(folder: Path) -> list[LocalCheckpoint]:
     return sorted(found, key=lambda c: c.step)
 
 
+# A manifest that cannot tell what a checkpoint is: damaged, or not this user's to read. Listing, retention and a
+# pull's look at the local copy skip such a checkpoint (and leave it as it is); only one chosen to be resumed or
+# uploaded stops the run on it (exit 3 for a permission: uploader.manifest).
+UNREADABLE_MANIFEST = (CorruptCheckpoint, ManifestError, LocalAccessError)
+
+
 def is_node_part(ckpt: LocalCheckpoint) -> bool:
     """Whether ``ckpt`` is one node's part of a multi-node checkpoint (never resumable alone); an
     unreadable manifest counts as not (verification deals with it, if it is ever the one chosen: one this
     user may not read must not stop the job from listing the others)."""
     try:
         return node_part(ckpt.manifest()) is not None
-    except (CorruptCheckpoint, ManifestError, LocalAccessError):
+    except UNREADABLE_MANIFEST:
         return False
 
 
@@ -267,7 +273,7 @@ def _counted(ckpt: LocalCheckpoint) -> bool:
     try:
         ckpt.manifest().for_step(ckpt.step)
         problem = None
-    except (CorruptCheckpoint, ManifestError, LocalAccessError) as e:  # not this user's to read: not counted
+    except UNREADABLE_MANIFEST as e:
         problem = str(e)
     if problem is not None:  # the job prunes after every save
         warn_once(logger, ("local retention", str(ckpt.path), problem),

@@ -64,7 +64,6 @@ from pathlib import Path
 from uploader.destination import Destination, local_writes
 from uploader.exceptions import (
     CorruptCheckpoint,
-    LocalAccessError,
     LocalCheckpointError,
     LocalCorruptCheckpoint,
     LocalUnsupportedFormat,
@@ -608,7 +607,7 @@ def _verified_local(folder: Path, step: int) -> LocalCheckpoint | None:
                 if node_part(manifest) is not None:
                     return None
                 manifest.verify(ckpt.path)
-            except (CorruptCheckpoint, ManifestError, LocalAccessError):
+            except UNREADABLE_MANIFEST:
                 return None
             return ckpt
     return None

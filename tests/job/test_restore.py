@@ -369,7 +369,7 @@ def _resume_with_a_file_it_may_not_read(good: Path, tmp_path: Path, step: int, u
     before = checkpoints_of(folder)
     command = job_cmd("train", "--max-duration", "6ba", "--save-interval", "2ba", "--keep", keep, "--sync-save",
                       "--log-format", "json", "--save-folder", str(folder))
-    done = subprocess.run(as_nobody(command) if as_root else command, env=job_env(), cwd=tmp_path,
+    done = subprocess.run(as_nobody(command), env=job_env(), cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)
     closed.chmod(0o644)
     return done, folder, before

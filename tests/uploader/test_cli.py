@@ -174,8 +174,7 @@ def _sync_unreadable(top: Path, unreadable: str) -> tuple[subprocess.CompletedPr
             os.chown(path, NOBODY, NOBODY)
     (ckpt.path / unreadable).chmod(0)
     command = [sys.executable, "-m", "uploader", *args]
-    done = subprocess.run(as_nobody(command) if os.geteuid() == 0 else command,
-                          env=isolated_aws_env(ADMIN), capture_output=True, text=True, timeout=60)
+    done = subprocess.run(as_nobody(command), env=isolated_aws_env(ADMIN), capture_output=True, text=True, timeout=60)
     (ckpt.path / unreadable).chmod(0o755)
     return done, ckpt, remote_dir
 
