@@ -13,7 +13,8 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from job.app import CheckpointCadence, train
+from job import distributed, logs
+from job.app import CheckpointCadence, _stop_for_preemption, train
 from job.build import build
 from job.checkpoint import WRITER_NICE, Checkpointer, load_state_file
 from job import snapshot
@@ -233,6 +234,33 @@ def test_a_stop_names_the_checkpoint_committed_even_while_its_writer_still_runs(
         commit_open.set()
         leave.set()
     assert ckpt.wait(30)
+
+
+@pytest.mark.parametrize("least_left, final_saved", [(3600.0, True), (0.0, False)], ids=["time", "no-time"])
+def test_the_final_checkpoint_is_weighed_against_the_rank_with_the_least_time_left(
+        run, tmp_path, monkeypatch, least_left: float, final_saved: bool) -> None:
+    """Rank 0 may have more time than another rank: its node heard of the stop a step later than the node
+    that was signalled. The final save is a collective that every rank must finish before its kill, so
+    whether it fits is decided on the least time any rank has left, never on rank 0's alone."""
+    other_rank = {float: least_left}  # the other rank's answer to each gather, by what is gathered
+    monkeypatch.setattr(distributed, "all_gather", lambda obj: [obj, other_rank.get(type(obj))])
+    events: dict[str, dict[str, Any]] = {}
+    ckpt = Checkpointer(tmp_path, keep=3, meta={})
+    cadence = CheckpointCadence(ckpt, ckpt_config(tmp_path))
+    trainer, batches = _after_one_step(run, ckpt.before_update)
+    cadence.take(run.state)  # step 1
+    assert ckpt.wait(30)
+    trainer.train_step(to_device(next(batches), run.device))  # step 2, not saved
+    stop = StopRequest(grace_period=3600.0)
+    stop.request("SIGTERM")  # this rank (rank 0) has an hour
+    stop_listening = logs.subscribe(lambda name, fields: events.setdefault(name, fields))
+    try:
+        _stop_for_preemption(run.state, cadence, None, stop)
+    finally:
+        stop_listening()
+    assert [c.step for c in local.list_committed(tmp_path)] == ([1, 2] if final_saved else [1])
+    assert events["preempted"]["checkpoint_step"] == (2 if final_saved else 1)
+    assert ("grace_too_short" in events) is not final_saved
 
 
 def _optimizer_state(state: State) -> dict:
