@@ -312,6 +312,20 @@ def exit_now(code: int) -> NoReturn:
     os._exit(code)
 
 
+@cli.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.argument("torchrun_args", nargs=-1, type=click.UNPROCESSED)
+def launch(torchrun_args: tuple[str, ...]) -> None:
+    """torchrun, exiting with its workers' exit code instead of torchrun's 1.
+
+    Takes torchrun's arguments, e.g. `job launch --nnodes 2 --nproc-per-node 8 -m job train`. A failed
+    worker's code (2 bad flags, 6 an unusable checkpoint, 75 stopped by a spot notice, ...) becomes the
+    launcher's, as Kubernetes' podFailurePolicy needs; SIGTERM or SIGINT to the launcher is 75.
+    """
+    from job.launch import launch as run_torchrun
+
+    sys.exit(run_torchrun(torchrun_args))
+
+
 @cli.command()
 @click.argument("path")
 @option("--endpoint-url", default=None, help="S3 endpoint for s3:// paths; AWS_ENDPOINT_URL is honoured too.")

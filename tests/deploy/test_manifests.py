@@ -708,8 +708,10 @@ def test_every_jobset_is_checked() -> None:
 
 
 def torchrun_call(container: dict[str, Any]) -> tuple[dict[str, str], list[str]]:
-    """torchrun's own options (all --name=value) and the arguments it passes to `python -m job train`."""
-    assert container.get("command") == ["torchrun"], container.get("command")
+    """torchrun's own options (all --name=value) and the arguments it passes to `python -m job train`.
+    The launcher is `job launch` (torchrun exiting with its workers' code): torchrun's own exit code, 1
+    for any failed worker, would never match the podFailurePolicy's exit-code rules."""
+    assert container.get("command") == ["job", "launch"], container.get("command")
     args = container["args"]
     assert "-m" in args, args
     start = args.index("-m")

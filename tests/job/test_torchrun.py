@@ -23,10 +23,13 @@ ARGS = ["--model", "tests.support.slow_model:build", "--max-duration", "90ba", "
         "--save-interval", "10ba", "--log-interval", "2", "--seed", "13", "--log-format", "json"]
 
 
-def torchrun(*extra: str) -> list[str]:
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+JOB_LAUNCH = [sys.executable, "-m", "job", "launch"]  # torchrun that exits with its workers' code
+
+
+def torchrun(*extra: str, launcher: list[str] = TORCHRUN) -> list[str]:
     # --standalone: a c10d rendezvous on localhost with a free port (loopback only).
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *extra,
-            "-m", "job", "train", *ARGS]
+    return [*launcher, "--standalone", "--nproc-per-node", "2", *extra, "-m", "job", "train", *ARGS]
 
 
 @pytest.fixture(scope="module")
@@ -216,3 +219,25 @@ def test_a_signal_that_reaches_one_rank_is_what_every_rank_stops_for(spawn, tmp_
     assert stops == [("stop_requested", "SIGTERM (on another rank)"), ("preempted", "SIGTERM (on another rank)")]
     (life,) = [json.loads(p.read_text()) for p in (folder / LEDGER_DIR).glob("*.json")]
     assert life["end"]["reason"] == "SIGTERM (on another rank)" and life["end"]["final_save_s"] is not None
+
+
+@pytest.mark.parametrize("stop", ["bad flags", "one worker signalled", "launcher signalled"])
+def test_job_launch_exits_with_its_workers_code_where_torchrun_exits_1(spawn, tmp_path, stop):
+    """Kubernetes reads the container's exit code, and a multi-node pod's container is the launcher:
+    torchrun's 1 matched neither the free restart of a preemption (75: a spot notice stops the workers
+    before any SIGTERM reaches the pod) nor the failure of a misconfigured run (2, 3, 4, 6)."""
+    flags = ["--max-duration", "0ba"] if stop == "bad flags" else []
+    proc = spawn(argv=torchrun("--max-restarts", "0", launcher=JOB_LAUNCH) + ["--save-folder", str(tmp_path / "ck"),
+                                                                              *flags], env=job_env())
+    if stop != "bad flags":
+        proc.wait_event("progress", lambda e: e["step"] >= 15)
+    if stop == "one worker signalled":  # as a spot notice does: the workers stop, the launcher is not signalled
+        wait_until(lambda: worker_of_rank(proc.proc.pid, 1) is not None, what="rank 1's process")
+        os.kill(worker_of_rank(proc.proc.pid, 1), signal.SIGTERM)
+    elif stop == "launcher signalled":
+        proc.signal(signal.SIGTERM)
+    code = proc.wait(timeout=120)
+    assert code == (2 if stop == "bad flags" else 75), proc.stderr[-3000:]
+    assert f"; exiting {code}" in proc.stderr.splitlines()[-1]
+    if stop != "bad flags":
+        assert proc.wait_event("preempted")["checkpoint_step"] >= 15
