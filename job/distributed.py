@@ -156,6 +156,15 @@ def agree(*flags: bool) -> tuple[bool, ...]:
     return tuple(bool(v) for v in t.tolist())
 
 
+def total(count: int) -> int:
+    """The sum of ``count`` over all ranks: what one rank counted of a step (its tokens) made the job's."""
+    if not active():
+        return count
+    t = torch.tensor([count], dtype=torch.int64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return int(t.item())
+
+
 def barrier() -> None:
     if active():
         dist.barrier()

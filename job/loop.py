@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 import torch
 
+from job import distributed
 from job.build import Run
 from job.logs import event
 from job.schedule import Interval
@@ -133,10 +134,10 @@ class Trainer:
             optimizer.step()
         for scheduler in state.schedulers:
             scheduler.step()
-        tokens = int(core.num_tokens(batch)) if hasattr(core, "num_tokens") else 0
-        # Counted for the whole job: every rank trains an equal shard of each step.
-        world = self.run.world_size
-        state.timer.on_batch_complete(samples=_batch_size(batch) * world, tokens=tokens * world)
+        # Counted for the whole job. Every rank trains an equal number of samples of each step, but not of
+        # tokens: those are summed, so that every rank's timer, and a --max-duration in tokens, agree.
+        tokens = distributed.total(int(core.num_tokens(batch))) if hasattr(core, "num_tokens") else 0
+        state.timer.on_batch_complete(samples=_batch_size(batch) * self.run.world_size, tokens=tokens)
         return total
 
     def end_epoch(self) -> None:

@@ -18,7 +18,7 @@ from job.exceptions import CheckpointLoadError
 from tests.support.checkpoints import reseal
 from tests.support.elastic import DATASET, assert_close, final_model, resumed, run
 from tests.support.jobs import events
-from tests.support.recording_model import trained
+from tests.support.recording_model import tokens_of, trained
 
 pytestmark = pytest.mark.slow
 
@@ -59,6 +59,22 @@ def test_1_then_2_ranks_mid_epoch(tmp_path: Path, uninterrupted) -> None:
     assert resumed(done) == [(1, 2)]
     assert sorted(trained(record)) == list(range(DATASET))
     assert_close(final_model(folder), uninterrupted[1])
+
+
+def test_tokens_are_the_job_s_on_every_rank_and_a_duration_in_tokens_ends_them_together(tmp_path: Path) -> None:
+    """Samples of different lengths: each rank counted its own tokens times the number of ranks, which is
+    not the job's count and not the same on every rank; with --max-duration in tokens one rank stopped
+    while the other went on to its next step's collectives, and the run hung."""
+    folder, record = tmp_path / "ck", tmp_path / "record"
+    done = run(2, folder, record, "--model", "tests.support.recording_model:build_counting_tokens",
+               "--batch-size", "48", "--max-duration", "2000tok")
+    assert done.proc.returncode == 0, done.stderr[-3000:]
+    _, manifest = open_checkpoint(folder)
+    assert manifest.timer["sample"] == len(trained(record)) == manifest.timer["batch"] * 96
+    per_rank = [[int(i) for i in p.read_text().split()] for p in sorted(record.glob("trained-*.txt"))]
+    steps = [sum(tokens_of(i) for rank in per_rank for i in rank[48 * k:48 * (k + 1)])
+             for k in range(manifest.timer["batch"])]
+    assert manifest.timer["token"] == sum(steps) >= 2000 > sum(steps[:-1])  # the first step that reached it
 
 
 def test_a_global_batch_that_does_not_divide_is_refused_before_training(tmp_path: Path) -> None:

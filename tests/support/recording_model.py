@@ -52,6 +52,21 @@ def build() -> torch.nn.Module:
     return RecordingMLP(dropout=0.0)
 
 
+class TokenCounting(RecordingMLP):
+    """Samples of different lengths: sample i counts ``tokens_of(i)`` tokens."""
+
+    def num_tokens(self, batch: Any) -> int:
+        return sum(tokens_of(int(i)) for i in batch[2])
+
+
+def tokens_of(index: int) -> int:
+    return index % 5 + 1
+
+
+def build_counting_tokens() -> torch.nn.Module:
+    return TokenCounting(dropout=0.0)
+
+
 def dataset(split: str) -> Dataset:  # type: ignore[type-arg]
     return Indexed(spirals(split))
 
