@@ -8,8 +8,8 @@ absorbs the rest), so a smaller cluster never runs out of memory and a larger on
 optimization. The learning-rate schedule and step counting are in global batches already.
 
 What was per rank comes back like this on another number of ranks: the train-metric accumulators of
-all old ranks are merged into new rank 0 (torchmetrics' own ``merge_state``; the other ranks start
-empty), so the epoch's train metrics are those of an uninterrupted run; old rank r < W keeps its own RNG
+all old ranks are merged into new rank 0 (the other ranks start empty), so the epoch's train metrics are
+those of an uninterrupted run (see merge_metrics for the few that cannot be merged); old rank r < W keeps its own RNG
 streams, and a rank that did not exist gets streams seeded from ``derived_seed(seed, rank, step)``.
 """
 from __future__ import annotations
@@ -18,6 +18,9 @@ import copy
 import logging
 from dataclasses import dataclass, replace
 from typing import Any
+
+from torchmetrics import Metric
+from torchmetrics.utilities.data import dim_zero_cat, dim_zero_max, dim_zero_mean, dim_zero_min, dim_zero_sum
 
 from job import distributed
 from job.build import Run, total_batches
@@ -31,6 +34,9 @@ from state.rng import capture_rng, restore_rng, seed_all
 from state.sampler import _splitmix64
 
 logger = logging.getLogger(__name__)
+
+# The reductions torchmetrics' state merge knows (Metric._reduce_states): each turns two states into one.
+REDUCIBLE = (dim_zero_sum, dim_zero_mean, dim_zero_max, dim_zero_min, dim_zero_cat)
 
 SAMPLER_SCHEME = "global-batch-v1"  # manifests without it were written by the rank-strided sampler
 LEGACY_SCHEME = "rank-strided-v0"
@@ -213,7 +219,17 @@ def _rank_state(found: Any) -> bool:
 
 
 def merge_metrics(metrics: dict[str, Any], snapshots: list[dict[str, Any]]) -> None:
-    """Add other ranks' accumulator snapshots (state.metrics.metric_state) into ``metrics``."""
+    """Add other ranks' accumulator snapshots (state.metrics.metric_state) into ``metrics``.
+
+    Each state is combined with its own ``dist_reduce_fx``, as torchmetrics combines the ranks' states at
+    the epoch's end, and as its ``merge_state`` does; a metric's own ``merge_state`` override is used as it
+    is. torchmetrics' default ``merge_state`` refuses every metric with ``full_state_update`` True or unset
+    (custom metrics by default, MaxMetric, ...), although that flag is about its ``forward``, not about how
+    states combine; refusing them made a good checkpoint "damaged" on another number of ranks. States
+    without a reduction (Pearson's running moments) cannot be combined and then updated on: such a metric
+    keeps new rank 0's accumulation only, with a warning; it is what is reported, never what is trained.
+    """
+    unmerged: set[str] = set()
     for snapshot in snapshots:
         for name, metric in metrics.items():
             if name not in snapshot:
@@ -221,6 +237,29 @@ def merge_metrics(metrics: dict[str, Any], snapshots: list[dict[str, Any]]) -> N
             other = copy.deepcopy(metric)
             other.reset()
             load_metric_state(other, snapshot[name])
+            if other._update_count == 0:
+                continue  # nothing accumulated there (an epoch's start)
             count = metric._update_count + other._update_count
-            metric.merge_state(other)
-            metric._update_count = count  # merge_state leaves it: compute() must not think it never ran
+            if _merges_itself(metric):
+                metric.merge_state(other)
+            elif _reducible(metric):
+                metric._reduce_states(other.metric_state)  # merge_state's own merge, past its refusal
+            else:
+                unmerged.add(name)
+                continue
+            metric._update_count = count  # merging leaves it: compute() must not think it never ran
+    if unmerged:
+        logger.warning("train metric(s) %s cannot be merged across the old ranks (a state without a reduction to "
+                       "combine it): this epoch's value covers only what the new rank 0 holds; training is "
+                       "unchanged", ", ".join(sorted(unmerged)))
+
+
+def _merges_itself(metric: Metric) -> bool:
+    """Its ``merge_state`` accepts another's state: its own override, or torchmetrics' for a metric it allows."""
+    overridden = type(metric).merge_state is not Metric.merge_state
+    return overridden or (metric.full_state_update is False and not metric.dist_sync_on_step)
+
+
+def _reducible(metric: Metric) -> bool:
+    """Every state has a reduction that combines two states into one of the same kind (not None: stacked)."""
+    return not metric.dist_sync_on_step and all(fn in REDUCIBLE for fn in metric._reductions.values())

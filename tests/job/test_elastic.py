@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+import torchmetrics
 
 from job.checkpoint import STATE_FILE, open_checkpoint
 from job.exceptions import CheckpointLoadError
@@ -148,6 +149,57 @@ def test_train_metrics_of_the_old_ranks_are_merged_into_new_rank_0() -> None:
         everything.update(preds, target)
     merge_metrics({"accuracy": ranks[0]}, [{"accuracy": metric_state(m)} for m in ranks[1:]])
     assert torch.equal(ranks[0].compute(), everything.compute()) and ranks[0]._update_count == 3
+
+
+class TwoSums(torchmetrics.Metric):
+    """Written as torchmetrics' guide shows, without ``full_state_update``: torchmetrics' merge_state refuses it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("total", default=torch.tensor(0.0), dist_reduce_fx="sum")
+        self.add_state("count", default=torch.tensor(0), dist_reduce_fx="sum")
+
+    def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
+        self.total += (preds.argmax(-1) == target).sum()
+        self.count += target.numel()
+
+    def compute(self) -> torch.Tensor:
+        return self.total / self.count
+
+
+@pytest.mark.parametrize("make", [TwoSums, lambda: torchmetrics.MaxMetric()], ids=["custom", "max"])
+def test_a_metric_torchmetrics_will_not_merge_is_merged_by_its_reductions(make: Any) -> None:
+    """merge_state refuses every metric whose full_state_update is True or unset (a custom metric by default):
+    such a checkpoint was "damaged" (exit 6) on any other number of ranks."""
+    from job.elastic import merge_metrics
+    from state.metrics import metric_state
+
+    torch.manual_seed(0)
+    parts = [(torch.randn(50, 3), torch.randint(0, 3, (50,))) for _ in range(3)]
+    everything, ranks = make(), [make() for _ in parts]
+    for metric, (preds, target) in zip(ranks, parts):
+        args = (preds, target) if isinstance(metric, TwoSums) else (preds,)
+        metric.update(*args)
+        everything.update(*args)
+    merge_metrics({"m": ranks[0]}, [{"m": metric_state(m)} for m in ranks[1:]])
+    assert torch.equal(ranks[0].compute(), everything.compute()) and ranks[0]._update_count == 3
+
+
+def test_a_metric_whose_states_cannot_be_combined_keeps_rank_0_s_with_a_warning(caplog) -> None:
+    """Pearson's running moments have no reduction: merged, they would be stacked and then updated on."""
+    from job.elastic import merge_metrics
+    from state.metrics import metric_state
+
+    torch.manual_seed(0)
+    ranks = [torchmetrics.PearsonCorrCoef() for _ in range(2)]
+    for metric in ranks:
+        metric.update(torch.randn(20), torch.randn(20))
+    alone = metric_state(ranks[0])
+    merge_metrics({"pearson": ranks[0]}, [{"pearson": metric_state(ranks[1])}])
+    assert all(torch.equal(a, b) for a, b in zip(metric_state(ranks[0])["states"].values(), alone["states"].values()))
+    assert "train metric(s) pearson cannot be merged" in caplog.text
+    ranks[0].update(torch.randn(20), torch.randn(20))  # and it trains on
+    assert torch.isfinite(ranks[0].compute())
 
 
 def test_a_new_rank_s_rng_is_derived_from_seed_rank_and_step() -> None:
