@@ -32,6 +32,7 @@ from job.spot import SpotWatcher
 from job.storage import RemoteConfig, RemoteStore
 from state import State, TimeUnit
 from uploader import local
+from uploader.worker import ABORT_GRACE
 
 logger = logging.getLogger(__name__)
 
@@ -156,10 +157,10 @@ class SpotHandler:
         return notice is not None
 
 
-def _until_exit(stop: StopRequest) -> float | None:
-    """Seconds our waits may take before the kill; None (no limit) without a deadline, since the
-    thread and lock waits below refuse an infinite timeout."""
-    left = stop.time_left() - EXIT_MARGIN_SECONDS
+def _until_exit(stop: StopRequest, then: float = 0.0) -> float | None:
+    """Seconds our waits may take before the kill, ``then`` seconds of later work left over; None (no
+    limit) without a deadline, since the thread and lock waits below refuse an infinite timeout."""
+    left = stop.time_left() - EXIT_MARGIN_SECONDS - then
     return None if math.isinf(left) else max(left, 0.0)
 
 
@@ -211,7 +212,8 @@ def _stop_for_preemption(state: State, cadence: CheckpointCadence, store: Remote
     upload = None
     if store is not None and store.uploads and kept is not None:
         cadence.checkpointer.announce(kept)
-        upload = functools.partial(store.wait, _until_exit(stop))
+        # Then the store's close aborts an upload still running, and gives it ABORT_GRACE to stop.
+        upload = functools.partial(store.wait, _until_exit(stop, then=ABORT_GRACE))
     # Null in the event where this job does not upload (no remote, sidecar, off). Also the barrier before FINISHED.
     uploaded = distributed.run_together(upload, "upload its checkpoints")
     if uploaded is False:

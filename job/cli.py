@@ -286,10 +286,10 @@ def train(**o: Any) -> None:
             spot.close()
         stop.uninstall()
         distributed.shutdown()
-    if outcome.preempted and outcome.writing:  # its staging folder is cleaned up by the next start
-        exit_now(EXIT_PREEMPTED)
     if outcome.preempted:
-        sys.exit(EXIT_PREEMPTED)
+        # At once: the kill is due, everything is written (and a write still in flight is cleaned up by the next
+        # start), and the interpreter's own teardown takes about a second with torch loaded.
+        exit_now(EXIT_PREEMPTED)
 
 
 def _resolved(flag: str, interval: Interval, max_duration: Time) -> Interval:
