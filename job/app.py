@@ -25,7 +25,7 @@ from job.exceptions import ConfigError
 from job.ledger import Ledger
 from job.logs import event
 from job.loop import Trainer, unwrap
-from job.resume import check_new_run, expects_checkpoint, resume
+from job.resume import announce, check_new_run, expects_checkpoint, resume
 from job.schedule import resolve_at_start
 from job.signals import StopRequest
 from job.spot import SpotWatcher
@@ -283,6 +283,7 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
             plan = elastic.resumed_plan(resumed.meta, cfg, run.world_size, resumed.source)
             elastic.apply_plan(plan, run, cfg)
             refit_schedule(run, cfg.lr)
+            announce(state, resumed)
         checkpointer.meta = {**meta, **plan.meta()}
         eval_interval = resolve_at_start("--eval-interval", cfg.eval_interval, state, plan.global_batch)
         save_interval = resolve_at_start("--save-interval", ckpt_cfg.interval, state, plan.global_batch)

@@ -151,9 +151,14 @@ def resume(state: State, cfg: CheckpointConfig, checkpointer: Checkpointer, meta
     errors = [e for e in distributed.all_gather(error) if e is not None]
     if errors:
         raise CheckpointLoadError(error or f"{errors[0]} (seen by another rank)")
-    event(logger, "resumed", step=state.timer.batch.value, epoch=state.timer.epoch.value, source=source,
-          world_size_was=ckpt_meta.get("world_size"), world_size=distributed.world_size())
     return Resumed(ckpt_meta, source)
+
+
+def announce(state: State, resumed: Resumed) -> None:
+    """The ``resumed`` event, once the run has accepted the checkpoint's plan too (job.elastic): a checkpoint
+    whose global batch this number of ranks cannot divide is refused after it loaded, and was counted resumed."""
+    event(logger, "resumed", step=state.timer.batch.value, epoch=state.timer.epoch.value, source=resumed.source,
+          world_size_was=resumed.meta.get("world_size"), world_size=distributed.world_size())
 
 
 def _newest_whole_local(folder: Path) -> int:

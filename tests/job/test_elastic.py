@@ -87,6 +87,7 @@ def test_a_global_batch_that_does_not_divide_is_refused_before_training(tmp_path
     errors = [line for line in refused.stderr.splitlines() if line.startswith("job: error:")]
     assert errors and all("does not divide among 3 ranks" in e and "1, 2, 4, 8, 16, 32, 64" in e for e in errors)
     assert len(trained(record)) == before  # nothing trained
+    assert "resumed" not in {e.get("event") for e in events(refused.stderr)}  # nor counted as a resume
 
 
 def test_a_state_damaged_for_one_rank_only_is_refused_by_every_rank(tmp_path: Path) -> None:
