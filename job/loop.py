@@ -11,36 +11,13 @@ from typing import Any, Callable
 import torch
 
 from job import distributed
+from job.batches import batch_size, split, to_device
 from job.build import Run
 from job.logs import event
 from job.schedule import Interval
 from state import State
 
 logger = logging.getLogger(__name__)
-
-
-def to_device(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    return batch
-
-
-def _split(batch: Any, parts: int) -> list[Any]:
-    """Micro-batches for gradient accumulation: every tensor in the batch cut along dim 0."""
-    if parts == 1:
-        return [batch]
-    if isinstance(batch, torch.Tensor):
-        return list(batch.chunk(parts))
-    if isinstance(batch, (list, tuple)):
-        return [type(batch)(p) for p in zip(*(_split(b, parts) for b in batch))]
-    if isinstance(batch, dict):
-        cols = {k: _split(v, parts) for k, v in batch.items()}
-        return [{k: cols[k][i] for k in cols} for i in range(parts)]
-    raise TypeError(f"cannot split a batch of type {type(batch).__name__} for gradient accumulation")
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -51,11 +28,6 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 def _metric_args(model: torch.nn.Module, outputs: torch.Tensor, batch: Any) -> tuple[Any, ...]:
     custom = getattr(model, "metric_args", None)
     return tuple(custom(outputs, batch)) if custom else (outputs, batch[1])
-
-
-def _batch_size(batch: Any) -> int:
-    first = batch[0] if isinstance(batch, (list, tuple)) else next(iter(batch.values())) if isinstance(batch, dict) else batch
-    return int(first.shape[0])
 
 
 class Trainer:
@@ -87,7 +59,7 @@ class Trainer:
                 lr = state.optimizers[0].param_groups[0]["lr"]  # this step's (the schedulers move it after)
                 loss = self.train_step(to_device(batch, self.run.device))
                 stepped += 1
-                window_samples += _batch_size(batch)
+                window_samples += batch_size(batch)
                 epoch_ended = state.timer.batch_in_epoch.value >= state.steps_per_epoch
                 if epoch_ended:
                     self.end_epoch()
@@ -112,7 +84,8 @@ class Trainer:
         optimizer = state.optimizers[0]
         optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), device=self.run.device)
-        micros = _split(batch, state.grad_accum)
+        samples = batch_size(batch)  # a batch the job cannot count or cut: ConfigError at the first one
+        micros = split(batch, state.grad_accum)
         for i, micro in enumerate(micros):
             state.batch = micro
             # Under DDP, gradients are all-reduced once per step, on the last micro-batch.
@@ -137,7 +110,7 @@ class Trainer:
         # Counted for the whole job. Every rank trains an equal number of samples of each step, but not of
         # tokens: those are summed, so that every rank's timer, and a --max-duration in tokens, agree.
         tokens = distributed.total(int(core.num_tokens(batch))) if hasattr(core, "num_tokens") else 0
-        state.timer.on_batch_complete(samples=_batch_size(batch) * self.run.world_size, tokens=tokens)
+        state.timer.on_batch_complete(samples=samples * self.run.world_size, tokens=tokens)
         return total
 
     def end_epoch(self) -> None:

@@ -112,6 +112,19 @@ def test_a_state_damaged_for_one_rank_only_is_refused_by_every_rank(tmp_path: Pa
     assert len(trained(record)) == before
 
 
+def test_a_batch_with_string_ids_resumes_on_fewer_ranks(tmp_path: Path) -> None:
+    """Fewer ranks force gradient accumulation (2 micro-batches here): the string ids default_collate leaves
+    in a list are cut with the tensors. The resume failed with a traceback (exit 1), every restart again."""
+    folder, record = tmp_path / "ck", tmp_path / "record"
+    flags = ["--batch-size", "32", "--grad-accum", "1", "--data", "tests.support.recording_model:named_dataset"]
+    first = run(2, folder, record, *flags, stop_after=4)
+    assert any(e.get("event") == "preempted" for e in events(first.stderr)), first.stderr[-3000:]
+    second = run(1, folder, record, *flags)
+    assert second.proc.returncode == 0, second.stderr[-3000:]
+    assert resumed(second) == [(2, 1)]
+    assert sorted(trained(record)) == list(range(DATASET))
+
+
 # -- the pieces, in-process ------------------------------------------------------------------------
 
 

@@ -71,6 +71,18 @@ def dataset(split: str) -> Dataset:  # type: ignore[type-arg]
     return Indexed(spirals(split))
 
 
+class Named(Indexed):
+    """Samples that also carry a string id, as many datasets do (a file name): default_collate leaves the ids
+    a list with one entry per sample, which gradient accumulation must cut like the tensors."""
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int, str]:  # type: ignore[override]
+        return (*super().__getitem__(index), f"sample-{index}")
+
+
+def named_dataset(split: str) -> Dataset:  # type: ignore[type-arg]
+    return Named(spirals(split))
+
+
 def trained(folder: Path) -> list[int]:
     """Every index trained on, by every process that recorded into ``folder``."""
     return [int(line) for path in sorted(folder.glob("trained-*.txt")) for line in path.read_text().split()]
