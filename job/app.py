@@ -277,9 +277,9 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
                                     pin_memory=cfg.device == "cuda", sharded=cfg.sharded)
         resumed = resume(state, ckpt_cfg, checkpointer, meta, store, run.mesh, pulling)
         if resumed is None:
+            plan = elastic.new_run_plan(cfg, run)
             run.initialise()
-        plan = elastic.fresh_plan(cfg, run.world_size)
-        if resumed is not None:
+        else:
             plan = elastic.resumed_plan(resumed.meta, cfg, run.world_size, resumed.source)
             elastic.apply_plan(plan, run, cfg)
             refit_schedule(run, cfg.lr)

@@ -72,6 +72,18 @@ def _metrics(model: torch.nn.Module, train: bool) -> dict[str, Any]:
     return {type(found).__name__: found}
 
 
+def batch_too_large(cfg: TrainConfig, samples: int, world: int) -> ConfigError | None:
+    """The refusal of a --batch-size whose global batch on ``world`` ranks is larger than the training set
+    (``samples``); None when it fits. It refuses a new run only (job.elastic.new_run_plan): a resume keeps
+    its checkpoint's global batch and ignores the flags' (README, "Resuming on another number of GPUs")."""
+    if samples < cfg.batch_size:
+        return ConfigError(f"--batch-size {cfg.batch_size} is larger than the training set ({samples} samples)")
+    if samples < cfg.batch_size * world:
+        return ConfigError(f"--batch-size {cfg.batch_size} on {world} ranks is a global batch larger than the "
+                           f"training set ({samples} samples)")
+    return None
+
+
 def total_batches(cfg: TrainConfig, steps_per_epoch: int, global_batch: int) -> int | None:
     """Length of the LR schedule in optimizer steps (global batches); None when it cannot be known (tokens)."""
     d = cfg.max_duration
@@ -130,13 +142,13 @@ def _assemble(cfg: TrainConfig, defer_init: bool) -> Run | None:
         raise ConfigError(f"--model {cfg.model!r} must return a torch.nn.Module with forward(batch) and loss(outputs, batch)")
     data = data_factory(cfg.data)
     train_ds, eval_ds = _dataset(data, "train", cfg.data), _dataset(data, "eval", cfg.data)
-    if len(train_ds) < cfg.batch_size:
-        raise ConfigError(f"--batch-size {cfg.batch_size} is larger than the training set ({len(train_ds)} samples)")
-
-    if len(train_ds) < cfg.batch_size * world:
-        raise ConfigError(f"--batch-size {cfg.batch_size} on {world} ranks is a global batch larger than the training "
-                          f"set ({len(train_ds)} samples)")
-    sampler = GlobalBatchSampler(len(train_ds), cfg.batch_size * world, seed=cfg.seed, num_replicas=world, rank=rank)
+    refusal = batch_too_large(cfg, len(train_ds), world)
+    if refusal is not None and len(train_ds) < world:
+        raise refusal  # no global batch divides among these ranks, a checkpoint's neither
+    # A resume keeps its checkpoint's global batch, whatever the flags make of it (job.elastic): where theirs is
+    # larger than the data, the sampler holds the smallest one until the plan decides (a new run is refused there).
+    sampler = GlobalBatchSampler(len(train_ds), world if refusal else cfg.batch_size * world, seed=cfg.seed,
+                                 num_replicas=world, rank=rank)
     pin = device.type == "cuda"
     # Explicit generators: a DataLoader without one draws its worker seed from the global RNG each time
     # an iterator starts, which would make a mid-epoch resume diverge from an uninterrupted run.

@@ -23,7 +23,7 @@ from torchmetrics import Metric
 from torchmetrics.utilities.data import dim_zero_cat, dim_zero_max, dim_zero_mean, dim_zero_min, dim_zero_sum
 
 from job import distributed
-from job.build import Run, total_batches
+from job.build import Run, batch_too_large, total_batches
 from job.config import TrainConfig
 from job.exceptions import CheckpointLoadError, ConfigError
 from job.restore import ADVICE
@@ -77,6 +77,16 @@ class BatchPlan:
 def fresh_plan(cfg: TrainConfig, world: int) -> BatchPlan:
     """A run's first start: the flags define the global batch."""
     return BatchPlan(cfg.batch_size * world, cfg.batch_size // cfg.grad_accum, world)
+
+
+def new_run_plan(cfg: TrainConfig, run: Run) -> BatchPlan:
+    """The plan of a run that resumed no checkpoint: ConfigError (exit 2) when the flags' global batch is larger
+    than the training set. Refused here, not when the run is built: a resume keeps its checkpoint's global batch,
+    which ``--batch-size`` x ranks may exceed on a larger cluster (the flags are then ignored, with a warning)."""
+    refusal = batch_too_large(cfg, run.sampler.num_samples, run.world_size)
+    if refusal is not None:
+        raise refusal
+    return fresh_plan(cfg, run.world_size)
 
 
 def resumed_plan(meta: dict[str, Any], cfg: TrainConfig, world: int, source: str = "") -> BatchPlan:

@@ -125,6 +125,25 @@ def test_a_batch_with_string_ids_resumes_on_fewer_ranks(tmp_path: Path) -> None:
     assert sorted(trained(record)) == list(range(DATASET))
 
 
+def test_a_larger_cluster_keeps_the_checkpoint_s_global_batch_where_the_flags_exceed_the_data(tmp_path: Path) -> None:
+    """--batch-size 2048 on 2 ranks is more than the 3072 samples: a new run is refused (exit 2), but a resume of
+    a run started on 1 rank keeps the checkpoint's 2048 and ignores the flags, as the README says. The resume
+    was refused, because the build checked the flags before the checkpoint's global batch was known."""
+    folder, record = tmp_path / "ck", tmp_path / "record"
+    flags = ["--batch-size", "2048", "--grad-accum", "2", "--max-duration", "3ep", "--log-interval", "1"]
+    refused = run(2, tmp_path / "new", record, *flags)
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("job: error:")]
+    assert len(errors) == 2 and all("global batch larger than the training set (3072" in e for e in errors), errors
+    assert trained(record) == []
+    first = run(1, folder, record, *flags, stop_after=1)
+    assert any(e.get("event") == "preempted" for e in events(first.stderr)), first.stderr[-3000:]
+    second = run(2, folder, record, *flags)
+    assert second.proc.returncode == 0, second.stderr[-3000:]
+    assert resumed(second) == [(1, 2)]
+    assert "keeping the checkpoint's global batch of 2048 samples" in second.stderr
+    assert len(trained(record)) == 3 * 2048  # one global batch of 2048 per epoch, each trained once
+
+
 # -- the pieces, in-process ------------------------------------------------------------------------
 
 
