@@ -73,6 +73,13 @@ class TransientStorageError(StorageError):
     """The storage stayed unreachable, slow or throttling after every retry the UploadConfig allows."""
 
 
+class DataVanished(TransientStorageError):
+    """Data files of a checkpoint were gone from the remote (or of another size) when its upload came to write
+    the manifest: another uploader on the same prefix (a second sidecar, a hand-run sync) took them for a dead
+    upload and its retention deleted them. The manifest is not written, so the checkpoint stays incomplete,
+    never a complete one without its data; the upload is not done, and the next try uploads what is missing."""
+
+
 class LocalWriteError(UploaderError):
     """A download could not be written to the local disk: full, over a quota, read-only or failing.
     Nothing remote changed, and no retry is made: only freeing space (or another folder) helps.

@@ -30,7 +30,11 @@ newer format's) is neither counted, so it can never push good work out, nor dele
 A complete checkpoint *newer* than the one just uploaded (another run's, or one that failed a
 reader's verification and could not be set aside) is neither counted nor deleted, so it can never
 push good work out. Incomplete leftovers older than the one just uploaded (uploads that died)
-are deleted too; newer ones are kept because a resumed upload continues them.
+are deleted too, once their newest object is YOUNG_UPLOAD_S older than the manifest just written (until
+then it may be another uploader's upload still going: two sidecars on one prefix, a sync beside one);
+newer ones are kept because a resumed upload continues them. Whatever retention deletes, an upload writes
+its manifest only after one listing of its prefix shows every file it names with its size (DataVanished
+otherwise: not uploaded, tried again by the next pass), so a checkpoint is never complete without its data.
 
 Multi-node (no shared volume): each node commits its own part of a checkpoint locally, with
 ``meta.node``, ``meta.nodes`` and the save's ``meta.save_id`` in its manifest, and uploads it from
@@ -64,6 +68,7 @@ from pathlib import Path
 from uploader.destination import Destination, local_writes
 from uploader.exceptions import (
     CorruptCheckpoint,
+    DataVanished,
     LocalCheckpointError,
     LocalCorruptCheckpoint,
     LocalUnsupportedFormat,
@@ -101,6 +106,10 @@ from uploader.progress import Progress, human_bytes
 from uploader.remote import ObjectInfo, Remote
 
 logger = logging.getLogger(__name__)
+
+# An incomplete remote checkpoint whose newest object is younger than this (next to the checkpoint just
+# uploaded) may be another uploader's upload in flight, not a dead one: retention leaves it (_dead_uploads).
+YOUNG_UPLOAD_S = 30 * 60.0
 
 
 @dataclass(frozen=True)
@@ -178,6 +187,9 @@ def push_all(folder: Path, remote: Remote, keep: int, *, abort: threading.Event 
             try:
                 if _upload(ckpt, remote, abort):
                     pushed.append(ckpt.step)
+            except DataVanished as e:
+                logger.warning("%s; the next sync uploads it again", e)
+                continue  # not complete remotely: never counted as uploaded, nor an anchor of retention
             except LocalCheckpointError as e:
                 set_aside_local(ckpt, e)
                 failed += 1
@@ -328,6 +340,8 @@ def _upload(ckpt: LocalCheckpoint, remote: Remote, abort: threading.Event | None
         except LocalCheckpointError as e:
             e.manifest = raw  # what was being uploaded: set_aside_local leaves a re-save alone
             raise
+    if part is None:  # a node's part is checked, with every other part, by _commit_parts
+        _check_still_there(remote, ckpt.name, manifest.files)
     remote.write_bytes(marker, raw)
     progress.close()
     logger.info("uploaded %s to %s (%d files, %d bytes%s)", marker if part else ckpt.name, remote.url,
@@ -335,6 +349,31 @@ def _upload(ckpt: LocalCheckpoint, remote: Remote, abort: threading.Event | None
     if part is not None:
         _commit_parts(remote, ckpt.name, manifest)
     return True
+
+
+def _missing_files(remote: Remote, name: str, files: Sequence[FileEntry],
+                   objects: Sequence[ObjectInfo] | None = None) -> list[str]:
+    """The paths of ``files`` that are not in the remote checkpoint ``name`` with their size, seen in one
+    listing of its prefix (``objects``, when the caller has one): cheaper than a HEAD per file."""
+    sizes = {o.key: o.size for o in (remote.list(f"{name}/") if objects is None else objects)}
+    return [f.path for f in files if sizes.get(data_key(name, f.path)) != f.size]
+
+
+def _check_still_there(remote: Remote, name: str, files: Sequence[FileEntry]) -> None:
+    """Right before a manifest is written: every file it names must be in the remote with its size. Another
+    uploader on the same prefix (two sidecars on one folder, a hand-run sync beside one) took this upload,
+    still without its manifest, for a dead one, and its retention deleted the data: a manifest written now
+    would make a complete checkpoint without its data. DataVanished then (a TransientStorageError): the
+    upload is not done, the step is not reported uploaded, and the next pass (the watch's next poll, the
+    in-process uploader's retry, the next sync) uploads again what is missing. No retry here: whoever
+    deleted it has just uploaded a newer complete checkpoint, so nothing is lost meanwhile, and an
+    immediate retry would race the same retention again."""
+    missing = _missing_files(remote, name, files)
+    if missing:
+        raise DataVanished(
+            f"{name} on {remote.url}: {', '.join(missing[:3])}{' and more' if len(missing) > 3 else ''} vanished "
+            "after being uploaded (another uploader on this prefix deleted it as a dead upload?); its manifest "
+            "is not written, so it is not uploaded")
 
 
 def _replaceable(remote: Remote, name: str, key: str) -> tuple[bytes | None, Manifest | None]:
@@ -426,8 +465,7 @@ def _commit_parts(remote: Remote, name: str, mine: Manifest) -> bool:
                     name, remote.url, len(parts), node_count)
         return False
     files = [f for node in sorted(parts) for f in parts[node].files]
-    sizes = {o.key: o.size for o in objects}
-    missing = [f.path for f in files if sizes.get(data_key(name, f.path)) != f.size]
+    missing = _missing_files(remote, name, files, objects)
     first = parts[0]
     try:
         if missing:
@@ -486,7 +524,7 @@ def _after_commit(remote: Remote, keep: int, newest: int) -> None:
         warn_once(logger, ("remote retention, newer", remote.url, tuple(ignored)),
                   "retention: %s on %s %s newer than the checkpoint just uploaded (%s): neither counted nor deleted",
                   ", ".join(ignored), remote.url, "is" if len(ignored) == 1 else "are", checkpoint_name(newest))
-    doomed = complete[:-keep] + [c for c in summaries if not c.complete and c.step < newest]
+    doomed = complete[:-keep] + _dead_uploads(remote, summaries, complete[-1])
     for ckpt in sorted(doomed, key=lambda c: c.step):
         keys = [o.key for o in scan[ckpt.name]]
         manifest = manifest_key(ckpt.name)
@@ -496,6 +534,26 @@ def _after_commit(remote: Remote, keep: int, newest: int) -> None:
         logger.info("retention: deleted %s %s from %s (keeping %d up to %s)",
                     "complete" if ckpt.complete else "incomplete", ckpt.name, remote.url, keep,
                     checkpoint_name(newest))
+
+
+def _dead_uploads(remote: Remote, summaries: Sequence[RemoteCheckpoint],
+                  newest: RemoteCheckpoint) -> list[RemoteCheckpoint]:
+    """Incomplete checkpoints older than ``newest`` (the one just uploaded) that retention deletes: uploads
+    that died. One whose newest object was written less than YOUNG_UPLOAD_S before ``newest``'s manifest (both
+    times are the remote's own clock: no skew) may be another uploader's, still going (two sidecars on one
+    prefix, a hand-run sync beside one): it is kept, and deleted by the first pass after it is that old. An
+    upload that loses its data anyway writes no manifest (_check_still_there)."""
+    dead = []
+    for ckpt in summaries:
+        if ckpt.complete or ckpt.step >= newest.step:
+            continue
+        if newest.created - ckpt.created < YOUNG_UPLOAD_S:
+            logger.info("retention: keeping incomplete %s on %s: written %.0f s before %s, it may be another "
+                        "uploader's still going; deleted once %.0f s old", ckpt.name, remote.url,
+                        max(0.0, newest.created - ckpt.created), newest.name, YOUNG_UPLOAD_S)
+            continue
+        dead.append(ckpt)
+    return dead
 
 
 def _counted(remote: Remote, ckpt: RemoteCheckpoint) -> bool:
