@@ -140,6 +140,14 @@ def newest_complete(remote: Remote, below: int | None = None) -> tuple[int, Mani
     return None
 
 
+def is_complete(remote: Remote, step: int) -> bool:
+    """Whether the remote holds a complete checkpoint of ``step``: its manifest is there and parses, for that
+    step (its files are not checked here)."""
+    raw = remote.read_bytes(manifest_key(checkpoint_name(step)), limit=MAX_MANIFEST_BYTES)
+    manifest = None if raw is None else _parse_or_none(raw)
+    return manifest is not None and manifest.step == step
+
+
 def steps_other_nodes_started(remote: Remote) -> set[int]:
     """Steps whose checkpoint is not complete but holds some node's part: uploading this node's part of
     one of those completes it, or brings it closer (uploader.watch)."""
@@ -156,18 +164,22 @@ def list_set_aside(remote: Remote) -> list[str]:
     return sorted({o.key.partition("/")[0] for o in remote.list(CORRUPT_PREFIX)})
 
 
-def push(ckpt: LocalCheckpoint, remote: Remote, keep: int, *, abort: threading.Event | None = None) -> None:
-    """Upload one committed local checkpoint (resuming a partial upload), then apply retention.
+def push(ckpt: LocalCheckpoint, remote: Remote, keep: int, *, abort: threading.Event | None = None,
+         anchor: int | None = None) -> None:
+    """Upload one committed local checkpoint (resuming a partial upload), then apply retention, counting back
+    from ``anchor`` (a newer step the caller has uploaded: uploader.watch's catch-up of older ones), by default
+    from this one.
 
     Raises LocalCorruptCheckpoint if a local file no longer matches the manifest (or vanished: the job's
     local pruning can remove a checkpoint while it is being uploaded); the remote is then left with
     an incomplete checkpoint that is never used. Raises UnsupportedFormat or CorruptCheckpoint, having
     changed nothing, when the remote's manifest of this step must not be replaced (module docstring), and
-    RemoteInTheWay (file://) when something it did not write stands where a data file goes.
+    RemoteInTheWay (file://) when something it did not write stands where a data file goes, and DataVanished
+    (not uploaded: no manifest written) when some of its data was deleted from the remote meanwhile.
     """
     _check_keep(keep)
     _upload(ckpt, remote, abort)
-    _after_commit(remote, keep, ckpt.step)
+    _after_commit(remote, keep, ckpt.step if anchor is None else max(anchor, ckpt.step))
 
 
 def push_all(folder: Path, remote: Remote, keep: int, *, abort: threading.Event | None = None) -> list[int]:

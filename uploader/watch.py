@@ -1,7 +1,11 @@
 """The sidecar loop: upload each newly committed checkpoint, newest first, until told to stop.
 
-Only the newest committed checkpoint matters after a preemption, so when several were committed
-during one upload the older ones are skipped. Storage outages are ridden out: an upload that gives
+Only the newest committed checkpoint matters after a preemption, so the newest goes up first; the
+older ones of the keep window (the newest ``keep`` committed ones, as ``sync``) that are not complete in
+the remote go up after it, whatever this watch uploaded before (a run resumed from an older step after
+its newer ones were moved away is uploaded too), each counting retention back from the newest uploaded.
+Each local checkpoint is looked at once per save (its manifest's identity): one already complete in the
+remote costs one read of its manifest. Storage outages are ridden out: an upload that gives
 up (TransientStorageError) is tried again on the next poll and resumes where it stopped. Wrong
 credentials or a missing bucket end the loop at once (they will not fix themselves); credentials
 that may read but not write are found before the first checkpoint, by uploader.probe. So does a
@@ -10,7 +14,10 @@ uploader.sync), exit 6: the local checkpoint is left as it is. Only a local chec
 own checks (LocalCheckpointError) is set aside, and the watch goes on with the next one.
 
 It ends by itself, FINISHED, once the job has marked the folder finished (uploader.local.mark_finished)
-after this watch started, and that step is uploaded. A marker older than the watch is left over from
+after this watch started, and that step is uploaded: this watch uploaded (or found in the remote) that
+exact local checkpoint, or the remote holds it complete. A job whose marker names a step it has no
+checkpoint of, locally or remotely, ends the watch with a warning once everything committed is uploaded.
+A marker older than the watch is left over from
 an earlier run on the same volume (a PVC, a compose volume): the job clears it when it starts, so it
 is not a reason to stop.
 
@@ -32,14 +39,16 @@ from pathlib import Path
 
 from uploader.config import UploadConfig
 from uploader.exceptions import Aborted, LocalCheckpointError, StorageError, TransientStorageError
-from uploader.local import LocalCheckpoint, finished_marker, is_node_part, list_committed
+from uploader.local import Finished, LocalCheckpoint, finished_marker, is_node_part, list_committed
 from uploader.manifest import MANIFEST_NAME
 from uploader.probe import check_writable
 from uploader.remote import Remote
 from uploader.runlog import RunlogMirror
-from uploader.sync import push, set_aside_local, steps_other_nodes_started
+from uploader.sync import is_complete, push, set_aside_local, steps_other_nodes_started
 
 logger = logging.getLogger(__name__)
+
+Identity = tuple[int, int, int]  # (step, manifest inode, manifest mtime): one save of a local checkpoint
 
 
 class WatchOutcome(enum.Enum):
@@ -93,18 +102,18 @@ def _loop(
 ) -> WatchOutcome:
     started = time.time()
     runlog = RunlogMirror(folder, remote)  # the ledger and curves, after each checkpoint and at the end
-    uploaded: tuple[int, int, int] | None = None  # (step, manifest inode, manifest mtime) last pushed
-    given_up: set[tuple[int, int, int]] = set()  # local checkpoints that do not verify: not retried
+    done: set[Identity] = set()  # local checkpoints complete in the remote: pushed, or found there, by this watch
+    given_up: set[Identity] = set()  # local checkpoints that do not verify: not retried
     announced_stop = False
     while True:
         if stop.is_set() and not announced_stop:
             announced_stop = True
             logger.info("stop requested: uploading what is committed (at most %.0f s more)", grace)
-        pending = _pending(folder, uploaded, given_up, remote)
+        pending = _pending(folder, keep, done, given_up, remote)
         if pending is not None:
-            ckpt, identity = pending
+            ckpt, identity, anchor = pending
             try:
-                push(ckpt, remote, keep, abort=abort)
+                push(ckpt, remote, keep, abort=abort, anchor=anchor)
             except LocalCheckpointError as e:
                 set_aside_local(ckpt, e)  # never uploaded, counted or chosen again
                 given_up.add(identity)
@@ -118,15 +127,13 @@ def _loop(
                     f"the grace period of {grace:.0f} s ran out before {ckpt.name} was uploaded to "
                     f"{remote.url}; the remote keeps its previous complete checkpoint"
                 ) from None
-            uploaded = identity
+            done.add(identity)
             runlog.sync_or_warn()
             continue  # look again at once: a newer checkpoint may have been committed meanwhile
         marker = finished_marker(folder)
-        if marker is not None and (stop.is_set() or marker.mtime >= started):
-            if uploaded is not None and uploaded[0] >= marker.step or not list_committed(folder):
-                logger.info("the job ended (%s) at step %d and it is uploaded; exiting", marker.reason, marker.step)
-                runlog.sync_or_warn()
-                return WatchOutcome.FINISHED
+        if marker is not None and (stop.is_set() or marker.mtime >= started) and _ended(folder, marker, done, remote):
+            runlog.sync_or_warn()
+            return WatchOutcome.FINISHED
         if stop.is_set() and abort.is_set():
             logger.warning("the grace period ended before the job marked %s finished; everything committed "
                            "is uploaded; exiting", folder)
@@ -135,13 +142,46 @@ def _loop(
         (abort if stop.is_set() else stop).wait(poll_interval)
 
 
-def _pending(
-    folder: Path, uploaded: tuple[int, int, int] | None, given_up: set[tuple[int, int, int]], remote: Remote
-) -> tuple[LocalCheckpoint, tuple[int, int, int]] | None:
-    """The newest committed checkpoint if it still needs uploading, with its identity.
+def _identity(ckpt: LocalCheckpoint) -> Identity | None:
+    """(step, manifest inode, manifest mtime): a re-save of the same step (after a resume) counts as new.
+    None when the checkpoint was pruned by the job since the listing."""
+    try:
+        st = (ckpt.path / MANIFEST_NAME).stat()
+    except FileNotFoundError:
+        return None
+    return ckpt.step, st.st_ino, st.st_mtime_ns
 
-    The identity includes the manifest's inode and mtime so that a re-save of the same step
-    (after a resume) counts as new.
+
+def _ended(folder: Path, marker: Finished, done: set[Identity], remote: Remote) -> bool:
+    """Whether the job's final checkpoint (the marker's step) is uploaded, said in one line when it is: this
+    watch uploaded (or found) that exact local checkpoint, or the remote holds that step complete. A step
+    with no checkpoint anywhere (nothing committed, or it was moved away) ends the watch with a warning,
+    since nothing is left to wait for: everything committed is uploaded when this is asked."""
+    committed = list_committed(folder)
+    local = next((c for c in committed if c.step == marker.step), None)
+    if local is not None and _identity(local) in done or is_complete(remote, marker.step):
+        logger.info("the job ended (%s) at step %d and it is uploaded; exiting", marker.reason, marker.step)
+        return True
+    if local is not None:
+        return False  # committed, not yet uploaded (or uploaded again: a re-save): the next poll pushes it
+    if not committed:
+        logger.info("the job ended (%s) at step %d with no checkpoint to upload; exiting", marker.reason, marker.step)
+        return True
+    logger.warning("the job ended (%s) at step %d, but no checkpoint of that step is in %s or on %s; "
+                   "everything committed is uploaded; exiting", marker.reason, marker.step, folder, remote.url)
+    return True
+
+
+def _pending(
+    folder: Path, keep: int, done: set[Identity], given_up: set[Identity], remote: Remote
+) -> tuple[LocalCheckpoint, Identity, int | None] | None:
+    """The next committed checkpoint to upload, its identity, and the step retention counts back from (the
+    newest of the window this watch has made complete, None for itself).
+
+    The newest goes first, then the older ones of the keep window (the newest ``keep`` committed ones, and
+    the job's final checkpoint, once it has marked one) that this watch has not pushed or found complete
+    remotely: what was uploaded before does not matter, so a run resumed from an older step (its newer
+    checkpoints moved away) is uploaded too.
 
     A node's part of a multi-node checkpoint is whole only once every node has uploaded its part of that
     step, and the sidecars never talk to each other: where another node has uploaded a newer step than
@@ -149,23 +189,24 @@ def _pending(
     link is slower than the saves completes a checkpoint with each upload (the job's own uploads agree
     on the steps instead, job.checkpoint). Once the job has ended, its last checkpoint goes first.
     """
-    waiting = []
-    for ckpt in reversed(list_committed(folder)):
-        try:
-            st = (ckpt.path / MANIFEST_NAME).stat()
-        except FileNotFoundError:
-            continue  # pruned by the job since the listing
-        identity = (ckpt.step, st.st_ino, st.st_mtime_ns)
-        if identity in given_up:
+    committed = list_committed(folder)
+    marker = finished_marker(folder)
+    window = [c for c in committed[:-keep] if marker is not None and c.step == marker.step] + committed[-keep:]
+    waiting, finished_steps = [], []
+    for ckpt in reversed(window):
+        identity = _identity(ckpt)
+        if identity is None or identity in given_up:
             continue
-        if identity == uploaded or (uploaded is not None and ckpt.step < uploaded[0]):
-            break
-        waiting.append((ckpt, identity))
-    if len(waiting) > 1 and is_node_part(waiting[0][0]) and finished_marker(folder) is None:  # the last goes first
+        if identity in done:
+            finished_steps.append(ckpt.step)
+        else:
+            waiting.append((ckpt, identity))
+    anchor = max(finished_steps, default=None)
+    if len(waiting) > 1 and is_node_part(waiting[0][0]) and marker is None:  # the last goes first
         try:
             started = steps_other_nodes_started(remote)
         except StorageError as e:  # a preference only: the push that follows retries, or ends the watch
             logger.info("cannot see which steps other nodes have started (%s); uploading the newest", e)
-            return waiting[0]
-        return next((c for c in waiting if c[0].step in started), waiting[0])
-    return waiting[0] if waiting else None
+            return (*waiting[0], anchor)
+        return (*next((c for c in waiting if c[0].step in started), waiting[0]), anchor)
+    return (*waiting[0], anchor) if waiting else None

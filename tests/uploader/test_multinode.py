@@ -20,7 +20,7 @@ from uploader.exceptions import CorruptCheckpoint, ManifestError, TransientStora
 from uploader.manifest import Manifest
 from uploader.remote import Remote
 from uploader.sync import list_remote, list_set_aside, pull_files, pull_newest, push, set_aside_if_unchanged
-from uploader.watch import _pending
+from uploader.watch import _identity, _pending
 
 NODES = 2
 # Node 0 holds the replicated state, node 1 only its ranks' files (as a sharded save spreads them).
@@ -218,18 +218,19 @@ def test_a_sidecar_uploads_the_newest_step_another_node_has_started_before_its_n
     uploaded its part of, when it has that step too; with none such, or once the job has ended, its newest."""
     mine = [part(tmp_path, 1, step) for step in (10, 20, 30, 40)]
     push(part(tmp_path, 0, 10), remote, keep=5)
-    assert _pending(tmp_path / "node1", None, set(), remote)[0] == mine[0]  # 10: node 0 is waiting for it
+    assert _pending(tmp_path / "node1", 5, set(), set(), remote)[0] == mine[0]  # 10: node 0 is waiting for it
     push(mine[0], remote, keep=5)
     push(part(tmp_path, 0, 30), remote, keep=5)
     push(part(tmp_path, 0, 50), remote, keep=5)  # a step node 1 does not hold
-    uploaded = (10, 0, 0)
-    assert _pending(tmp_path / "node1", uploaded, set(), remote)[0] == mine[2]  # 30, not 40
+    uploaded = {_identity(mine[0])}
+    assert _pending(tmp_path / "node1", 5, uploaded, set(), remote)[0] == mine[2]  # 30, not 40
     mark_finished(tmp_path / "node1", 40)
-    assert _pending(tmp_path / "node1", uploaded, set(), remote)[0] == mine[3]  # the last goes first
+    assert _pending(tmp_path / "node1", 5, uploaded, set(), remote)[0] == mine[3]  # the last goes first
     (tmp_path / "node1" / "FINISHED").unlink()
     push(mine[2], remote, keep=5)
     assert complete_steps(remote) == [10, 30]
-    assert _pending(tmp_path / "node1", (30, 0, 0), set(), remote)[0] == mine[3]  # nothing newer started
+    uploaded.add(_identity(mine[2]))
+    assert _pending(tmp_path / "node1", 5, uploaded, set(), remote)[0] == mine[3]  # nothing newer started
 
 
 
@@ -243,4 +244,4 @@ class ListingFails(RecordingRemote):
 def test_a_sidecar_that_cannot_list_the_bucket_uploads_its_newest(remote: Remote, tmp_path: Path) -> None:
     """Which steps other nodes started is a preference: a listing that fails ended the watch."""
     mine = [part(tmp_path, 1, step) for step in (10, 20)]
-    assert _pending(tmp_path / "node1", None, set(), ListingFails(remote))[0] == mine[1]
+    assert _pending(tmp_path / "node1", 5, set(), set(), ListingFails(remote))[0] == mine[1]

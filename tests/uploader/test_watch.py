@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import shutil
 import signal
 import subprocess
 import threading
@@ -195,3 +196,44 @@ def test_watch_aborts_the_upload_when_the_grace_period_runs_out(
     fault_proxy.passthrough()
     assert complete_steps(remote) == [1]
     assert remote.head(data_key(checkpoint_name(2), "big.bin")) is None  # its multipart upload was aborted
+
+
+def test_a_run_resumed_from_an_older_step_is_uploaded_before_the_watch_says_so(
+    run_watch: StartWatch, tmp_path: Path, local: Path
+) -> None:
+    """Review B, R2: the README's recovery of a diverged run (step 300 moved out of the folder and the remote,
+    the next life resumes at 200) under a long-lived sidecar. It never uploaded a step below the highest it had
+    uploaded, then said the final step 250 was uploaded and exited 0: the bucket had only 100 and 200."""
+    root = tmp_path / "remote"
+    remote = open_remote(f"file://{root}", fast_config())
+    outcome, _ = run_watch(local, remote, fast_config())
+    for step in (100, 200, 300):
+        make_checkpoint(local, step)
+        wait_until(lambda: step in complete_steps(remote), what=f"step {step} uploaded")
+    name = checkpoint_name(300)
+    (local / name).rename(tmp_path / name)
+    shutil.rmtree(root / name)
+
+    make_checkpoint(local, 250, seed=2501)
+    mark_finished(local, 250, reason="preempted")
+
+    assert outcome.result(timeout=30) is WatchOutcome.FINISHED
+    assert complete_steps(remote) == [100, 200, 250]
+
+
+def test_the_watch_uploads_the_older_checkpoints_of_its_keep_window_too(
+    run_watch: StartWatch, tmp_path: Path, local: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Checkpoints committed while the watch was busy (or before it started) go up after the newest, as `sync`
+    uploads the newest `keep`: they were skipped, and a resume whose newest failed had nothing older remotely."""
+    remote = open_remote(f"file://{tmp_path / 'remote'}", fast_config())
+    for step in (1, 2, 3, 4):
+        make_checkpoint(local, step)
+    with caplog.at_level(logging.INFO):
+        outcome, _ = run_watch(local, remote, fast_config(keep=3))
+        wait_until(lambda: 4 in complete_steps(remote), what="the newest uploaded")
+        mark_finished(local, 4)
+        assert outcome.result(timeout=30) is WatchOutcome.FINISHED
+
+    assert complete_steps(remote) == [2, 3, 4]
+    assert "newer than the checkpoint just uploaded" not in caplog.text  # retention counts back from 4
