@@ -1,7 +1,8 @@
 """The commit protocol between a local checkpoint folder and a Remote: push, list, pull, retention.
 
 Push: data files first (each skipped if the remote already holds it with the same size and digest,
-so an interrupted upload resumes), the manifest last, then ``latest``, then retention. A remote
+so an interrupted upload resumes), the manifest last, then ``latest`` (only ever forward, and only
+after an upload, unless it names a checkpoint that is gone: _advance_latest), then retention. A remote
 checkpoint without its manifest is incomplete and is never pulled; if a *different* checkpoint of
 the same step is already remote, its manifest is deleted before any of its files are replaced. Two
 remote manifests of that step are never replaced, and the upload stops before it deletes or writes
@@ -178,8 +179,8 @@ def push(ckpt: LocalCheckpoint, remote: Remote, keep: int, *, abort: threading.E
     (not uploaded: no manifest written) when some of its data was deleted from the remote meanwhile.
     """
     _check_keep(keep)
-    _upload(ckpt, remote, abort)
-    _after_commit(remote, keep, ckpt.step if anchor is None else max(anchor, ckpt.step))
+    uploaded = _upload(ckpt, remote, abort)
+    _after_commit(remote, keep, ckpt.step if anchor is None else max(anchor, ckpt.step), uploaded=uploaded)
 
 
 def push_all(folder: Path, remote: Remote, keep: int, *, abort: threading.Event | None = None) -> list[int]:
@@ -210,7 +211,7 @@ def push_all(folder: Path, remote: Remote, keep: int, *, abort: threading.Event 
         if anchor is not None or not failed:
             break
     if anchor is not None:
-        _after_commit(remote, keep, anchor)
+        _after_commit(remote, keep, anchor, uploaded=bool(pushed))
     return sorted(pushed)
 
 
@@ -518,9 +519,32 @@ def _point_latest(remote: Remote, step: int) -> None:
         logger.warning("latest on %s is not updated: %s", remote.url, e)
 
 
-def _after_commit(remote: Remote, keep: int, newest: int) -> None:
-    """Point ``latest`` at ``newest`` (the checkpoint just uploaded), then delete what retention lets
-    go, counting back from it (module docstring). Nothing while ``newest`` is not complete: a node's
+def _advance_latest(remote: Remote, newest: int, summaries: Sequence[RemoteCheckpoint], uploaded: bool) -> None:
+    """Point ``latest`` at ``newest`` only where that moves it forward, and only after an upload: an older
+    local step (another node's disk, a snapshot, the watch catching up) or one already there never takes it
+    back. A ``latest`` that names no complete checkpoint (deleted, set aside, never written, malformed) is
+    wrong whatever was uploaded: it then names the newest complete one whose manifest makes a checkpoint."""
+    current = _latest_step(remote)
+    complete = {c.step for c in summaries if c.complete}
+    if current is not None and current in complete:
+        if current > newest:
+            logger.info("latest on %s stays at step %d, newer than %s", remote.url, current, checkpoint_name(newest))
+        if current >= newest or not uploaded:
+            return
+        _point_latest(remote, newest)
+        return
+    newer = (c for c in reversed(summaries) if c.complete and c.step > newest and _unusable(remote, c) is None)
+    target = next((c.step for c in newer), newest)
+    if current is not None:
+        logger.info("latest on %s named step %d, which is not complete there; pointing it at %s", remote.url,
+                    current, checkpoint_name(target))
+    _point_latest(remote, target)
+
+
+def _after_commit(remote: Remote, keep: int, newest: int, *, uploaded: bool = True) -> None:
+    """Point ``latest`` at ``newest`` (the checkpoint just uploaded) where that moves it forward
+    (_advance_latest), then delete what retention lets go, counting back from it (module docstring).
+    ``uploaded``: False when the remote already had it all. Nothing while ``newest`` is not complete: a node's
     part that others' parts have yet to join. The node whose upload completes it deletes, whichever that
     is (two that commit at once delete the same keys); a node 0 that alone deleted never did while it
     uploaded first, and the bucket grew without bound."""
@@ -530,7 +554,7 @@ def _after_commit(remote: Remote, keep: int, newest: int) -> None:
     if not complete or complete[-1].step != newest:
         logger.info("retention waits: %s is not complete on %s", checkpoint_name(newest), remote.url)
         return
-    _point_latest(remote, newest)
+    _advance_latest(remote, newest, summaries, uploaded)
     ignored = [c.name for c in summaries if c.complete and c.step > newest]
     if ignored:
         warn_once(logger, ("remote retention, newer", remote.url, tuple(ignored)),

@@ -5,6 +5,7 @@ import errno
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import uuid
@@ -457,3 +458,38 @@ def test_pull_does_not_trust_a_stale_latest(remote: Remote, local: Path, restore
     pulled = pull_newest(remote, restore)
 
     assert pulled is not None and pulled.step == 2
+
+
+def latest_step(remote: Remote) -> int:
+    return json.loads(remote.read_bytes(LATEST_KEY) or b"")["step"]
+
+
+def test_latest_never_goes_back_to_an_older_step(remote: Remote, tmp_path: Path) -> None:
+    """Review B, R3: a sync of an older copy of step 100 (another node's disk, a snapshot) found it already
+    there, uploaded nothing, and still pointed ``latest`` back at 100; an older step uploaded did too."""
+    x, y = tmp_path / "x", tmp_path / "y"
+    for step in (100, 200):
+        make_checkpoint(x, step)
+    push_all(x, remote, keep=3)
+    assert latest_step(remote) == 200
+
+    shutil.copytree(x / checkpoint_name(100), y / checkpoint_name(100))
+    assert push_all(y, remote, keep=3) == []  # nothing uploaded: latest not touched
+    assert latest_step(remote) == 200
+    push(make_checkpoint(y, 150), remote, keep=3)  # an older step uploaded: not taken back either
+    assert latest_step(remote) == 200
+    push(make_checkpoint(y, 300), remote, keep=3)
+    assert latest_step(remote) == 300
+
+
+def test_a_latest_naming_a_step_that_is_gone_names_the_newest_complete_one(remote: Remote, tmp_path: Path) -> None:
+    """Nothing uploaded leaves ``latest`` alone, unless the step it names is no more (moved away by hand, set
+    aside): then the newest complete one is right, not the older step just found already there."""
+    x, y = tmp_path / "x", tmp_path / "y"
+    for step in (100, 200, 300, 400):
+        push(make_checkpoint(x, step), remote, keep=4)
+    remote.delete([manifest_key(checkpoint_name(400))])
+    shutil.copytree(x / checkpoint_name(100), y / checkpoint_name(100))
+
+    assert push_all(y, remote, keep=4) == []
+    assert latest_step(remote) == 300
