@@ -109,7 +109,7 @@ def _loop(
         if stop.is_set() and not announced_stop:
             announced_stop = True
             logger.info("stop requested: uploading what is committed (at most %.0f s more)", grace)
-        pending = _pending(folder, keep, done, given_up, remote)
+        pending = _pending(folder, keep, done, given_up, remote, stopping=stop.is_set())
         if pending is not None:
             ckpt, identity, anchor = pending
             try:
@@ -173,15 +173,18 @@ def _ended(folder: Path, marker: Finished, done: set[Identity], remote: Remote) 
 
 
 def _pending(
-    folder: Path, keep: int, done: set[Identity], given_up: set[Identity], remote: Remote
+    folder: Path, keep: int, done: set[Identity], given_up: set[Identity], remote: Remote, stopping: bool = False
 ) -> tuple[LocalCheckpoint, Identity, int | None] | None:
     """The next committed checkpoint to upload, its identity, and the step retention counts back from (the
     newest of the window this watch has made complete, None for itself).
 
-    The newest goes first, then the older ones of the keep window (the newest ``keep`` committed ones, and
-    the job's final checkpoint, once it has marked one) that this watch has not pushed or found complete
-    remotely: what was uploaded before does not matter, so a run resumed from an older step (its newer
-    checkpoints moved away) is uploaded too.
+    The newest goes first, then the older ones of the keep window (the newest ``keep`` committed ones) that
+    this watch has not pushed or found complete remotely: what was uploaded before does not matter, so a run
+    resumed from an older step (its newer checkpoints moved away) is uploaded too. Older ones only while the
+    job runs: once it has ended, or the watch is ``stopping`` (SIGTERM), only the newest and the job's final
+    checkpoint go up, or an old one would take the grace the final one needs. Nor a node's older parts: the
+    other nodes may have skipped those steps, which would then never complete (parts older than the newest
+    this watch made complete are skipped, as the sidecars prefer the steps other nodes started, below).
 
     A node's part of a multi-node checkpoint is whole only once every node has uploaded its part of that
     step, and the sidecars never talk to each other: where another node has uploaded a newer step than
@@ -191,7 +194,15 @@ def _pending(
     """
     committed = list_committed(folder)
     marker = finished_marker(folder)
-    window = [c for c in committed[:-keep] if marker is not None and c.step == marker.step] + committed[-keep:]
+    final = [c for c in committed if marker is not None and c.step == marker.step]
+    if stopping or marker is not None:  # the grace is for the job's last checkpoint: nothing older goes up
+        window = committed[-1:]
+    elif committed and is_node_part(committed[-1]):  # an older part another node skipped would never complete
+        newest_done = max((step for step, _, _ in done), default=-1)
+        window = [c for c in committed if c.step > newest_done] or committed[-1:]
+    else:
+        window = committed[-keep:]
+    window = [c for c in final if c not in window] + window
     waiting, finished_steps = [], []
     for ckpt in reversed(window):
         identity = _identity(ckpt)

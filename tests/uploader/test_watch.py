@@ -8,6 +8,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from uploader.local import checkpoint_name, list_committed, list_set_aside, mark
 from uploader.manifest import MANIFEST_NAME
 from uploader.remote import Remote, open_remote
 from uploader.sync import pull_newest
+from uploader import watch as watch_module
 from uploader.watch import WatchOutcome, watch
 
 POLL = 0.05
@@ -231,9 +233,37 @@ def test_the_watch_uploads_the_older_checkpoints_of_its_keep_window_too(
         make_checkpoint(local, step)
     with caplog.at_level(logging.INFO):
         outcome, _ = run_watch(local, remote, fast_config(keep=3))
-        wait_until(lambda: 4 in complete_steps(remote), what="the newest uploaded")
+        wait_until(lambda: complete_steps(remote) == [2, 3, 4], what="the keep window uploaded")
         mark_finished(local, 4)
         assert outcome.result(timeout=30) is WatchOutcome.FINISHED
 
-    assert complete_steps(remote) == [2, 3, 4]
     assert "newer than the checkpoint just uploaded" not in caplog.text  # retention counts back from 4
+
+
+@pytest.mark.parametrize("ending", ["stopped", "finished"])
+def test_once_stopped_or_finished_the_watch_uploads_the_newest_and_final_only(
+    run_watch: StartWatch, tmp_path: Path, local: Path, ending: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review 38: after SIGTERM the watch caught up on the keep window's older checkpoints first, and on a slow
+    link its grace ran out on one of them (exit 5, an aborted upload left) after the final one was up."""
+    remote = open_remote(f"file://{tmp_path / 'remote'}", fast_config())
+    for step in (1, 2, 3):
+        make_checkpoint(local, step)
+    uploading, first_upload = threading.Event(), threading.Event()  # held, as on a slow link, until the end
+    real_push = watch_module.push
+
+    def slow_push(*args: Any, **kwargs: Any) -> None:
+        uploading.set()
+        assert first_upload.wait(30)
+        real_push(*args, **kwargs)
+
+    monkeypatch.setattr(watch_module, "push", slow_push)
+    outcome, stop = run_watch(local, remote, fast_config(keep=3))
+    assert uploading.wait(30)  # step 3, the newest: the job's end below comes after the watch started
+    if ending == "stopped":
+        stop.set()
+    make_checkpoint(local, 4)
+    mark_finished(local, 4)
+    first_upload.set()
+    assert outcome.result(timeout=30) is WatchOutcome.FINISHED
+    assert 4 in complete_steps(remote) and set(complete_steps(remote)) <= {3, 4}  # never 1 or 2
