@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from torchmetrics import Metric
-from torchmetrics.utilities.data import dim_zero_cat, dim_zero_max, dim_zero_mean, dim_zero_min, dim_zero_sum
+from torchmetrics.utilities.data import dim_zero_cat, dim_zero_max, dim_zero_min, dim_zero_sum
 
 from job import distributed
 from job.build import Run, batch_too_large, total_batches
@@ -35,8 +35,10 @@ from state.sampler import _splitmix64
 
 logger = logging.getLogger(__name__)
 
-# The reductions torchmetrics' state merge knows (Metric._reduce_states): each turns two states into one.
-REDUCIBLE = (dim_zero_sum, dim_zero_mean, dim_zero_max, dim_zero_min, dim_zero_cat)
+# The reductions by which torchmetrics' state merge (Metric._reduce_states) turns two accumulated states into
+# the one an uninterrupted run holds. Not "mean": it weighs them by update counts as forward() does one step
+# into the state, which is no merge of two ranks' states (review 38: the other rank's ignored after one update).
+REDUCIBLE = (dim_zero_sum, dim_zero_max, dim_zero_min, dim_zero_cat)
 
 SAMPLER_SCHEME = "global-batch-v1"  # manifests without it were written by the rank-strided sampler
 LEGACY_SCHEME = "rank-strided-v0"
@@ -236,8 +238,9 @@ def merge_metrics(metrics: dict[str, Any], snapshots: list[dict[str, Any]]) -> N
     is. torchmetrics' default ``merge_state`` refuses every metric with ``full_state_update`` True or unset
     (custom metrics by default, MaxMetric, ...), although that flag is about its ``forward``, not about how
     states combine; refusing them made a good checkpoint "damaged" on another number of ranks. States
-    without a reduction (Pearson's running moments) cannot be combined and then updated on: such a metric
-    keeps new rank 0's accumulation only, with a warning; it is what is reported, never what is trained.
+    without a reduction (Pearson's running moments) or averaged ones ("mean") cannot be combined and then
+    updated on: such a metric keeps new rank 0's accumulation only, with a warning; it is what is reported,
+    never what is trained.
     """
     unmerged: set[str] = set()
     for snapshot in snapshots:
@@ -271,5 +274,6 @@ def _merges_itself(metric: Metric) -> bool:
 
 
 def _reducible(metric: Metric) -> bool:
-    """Every state has a reduction that combines two states into one of the same kind (not None: stacked)."""
+    """Every state has a reduction that combines two states into one of the same kind (not None: stacked; not
+    mean: see REDUCIBLE)."""
     return not metric.dist_sync_on_step and all(fn in REDUCIBLE for fn in metric._reductions.values())

@@ -218,19 +218,35 @@ def test_a_metric_torchmetrics_will_not_merge_is_merged_by_its_reductions(make: 
     assert torch.equal(ranks[0].compute(), everything.compute()) and ranks[0]._update_count == 3
 
 
-def test_a_metric_whose_states_cannot_be_combined_keeps_rank_0_s_with_a_warning(caplog) -> None:
-    """Pearson's running moments have no reduction: merged, they would be stacked and then updated on."""
+class Averaged(torchmetrics.Metric):
+    """A state reduced by "mean": torchmetrics' merge weighs it as one forward step, not as another rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("level", default=torch.tensor(0.0), dist_reduce_fx="mean")
+
+    def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
+        self.level = preds.mean()
+
+    def compute(self) -> torch.Tensor:
+        return self.level
+
+
+@pytest.mark.parametrize("make", [lambda: torchmetrics.PearsonCorrCoef(), Averaged], ids=["pearson", "mean"])
+def test_a_metric_whose_states_cannot_be_combined_keeps_rank_0_s_with_a_warning(caplog, make: Any) -> None:
+    """Pearson's running moments have no reduction: merged, they would be stacked and then updated on. A "mean"
+    state was merged as if the other rank's were one more step of this one: wrong numbers, silently."""
     from job.elastic import merge_metrics
     from state.metrics import metric_state
 
     torch.manual_seed(0)
-    ranks = [torchmetrics.PearsonCorrCoef() for _ in range(2)]
+    ranks = [make() for _ in range(2)]
     for metric in ranks:
         metric.update(torch.randn(20), torch.randn(20))
     alone = metric_state(ranks[0])
-    merge_metrics({"pearson": ranks[0]}, [{"pearson": metric_state(ranks[1])}])
+    merge_metrics({"m": ranks[0]}, [{"m": metric_state(ranks[1])}])
     assert all(torch.equal(a, b) for a, b in zip(metric_state(ranks[0])["states"].values(), alone["states"].values()))
-    assert "train metric(s) pearson cannot be merged" in caplog.text
+    assert "train metric(s) m cannot be merged" in caplog.text
     ranks[0].update(torch.randn(20), torch.randn(20))  # and it trains on
     assert torch.isfinite(ranks[0].compute())
 
