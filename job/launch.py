@@ -16,6 +16,12 @@ rendezvous, the agent, restarts and log handling are torchrun's, unchanged. Only
 * torchrun itself got SIGTERM or SIGINT: it forwards the signal to the workers, which write their final
   checkpoint and exit 75, and waits for them (30 s, then SIGKILL). 75 then, as ``job train`` exits on
   the same signal: stopped, to be resumed. Any other signal torchrun handles: 128 + N.
+
+One case it cannot tell apart: a signal that reaches the launcher while torchrun is stopping the other
+workers after one failed (they may take their final checkpoint's time to exit) is 75 too, whatever that
+worker's code was. torchrun keeps the failure it is handling to itself until the others are gone, and the
+signal ends that wait with its own exception. A misconfigured run then restarts once more, for free, and
+fails again with its code.
 """
 from __future__ import annotations
 
