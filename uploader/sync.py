@@ -110,7 +110,11 @@ logger = logging.getLogger(__name__)
 
 # An incomplete remote checkpoint whose newest object is younger than this (next to the checkpoint just
 # uploaded) may be another uploader's upload in flight, not a dead one: retention leaves it (_dead_uploads).
-YOUNG_UPLOAD_S = 30 * 60.0
+# The window it guards is from that upload's listing of its data (_check_still_there, right after its last
+# file) to its manifest landing: one PUT, within its retry budget (--max-retry-seconds, 120 s by default).
+# Data deleted before that listing is found missing there. Longer only keeps more dead uploads: those that
+# died within it before a run's last upload stay until the next run's first (review 38: 30 min was that).
+YOUNG_UPLOAD_S = 10 * 60.0
 
 
 @dataclass(frozen=True)
