@@ -192,9 +192,13 @@ def push_all(folder: Path, remote: Remote, keep: int, *, abort: threading.Event 
     first, then apply retention once, counting back from the newest of them now complete remotely.
     A local checkpoint that does not match its manifest is set aside (uploader.local.set_aside) with a
     warning and the next older one takes its place; a remote step that must not be replaced stops the
-    sync (module docstring). Returns the steps uploaded."""
+    sync (module docstring). Returns the steps uploaded. DataVanished (exit 5 for ``uploader sync``) once
+    the others are done and retention has run, where a step's data vanished before its manifest: it is not in
+    the remote, and a one-shot sync has no next pass to upload it, so saying so is the caller's only way to
+    know."""
     _check_keep(keep)
     pushed: list[int] = []
+    vanished: list[DataVanished] = []
     anchor: int | None = None
     candidates = list_committed(folder)
     while candidates:
@@ -205,7 +209,7 @@ def push_all(folder: Path, remote: Remote, keep: int, *, abort: threading.Event 
                 if _upload(ckpt, remote, abort):
                     pushed.append(ckpt.step)
             except DataVanished as e:
-                logger.warning("%s; the next sync uploads it again", e)
+                vanished.append(e)
                 continue  # not complete remotely: never counted as uploaded, nor an anchor of retention
             except LocalCheckpointError as e:
                 set_aside_local(ckpt, e)
@@ -216,6 +220,8 @@ def push_all(folder: Path, remote: Remote, keep: int, *, abort: threading.Event 
             break
     if anchor is not None:
         _after_commit(remote, keep, anchor, uploaded=bool(pushed))
+    if vanished:
+        raise vanished[-1]
     return sorted(pushed)
 
 
@@ -390,7 +396,7 @@ def _check_still_there(remote: Remote, name: str, files: Sequence[FileEntry]) ->
         raise DataVanished(
             f"{name} on {remote.url}: {', '.join(missing[:3])}{' and more' if len(missing) > 3 else ''} vanished "
             "after being uploaded (another uploader on this prefix deleted it as a dead upload?); its manifest "
-            "is not written, so it is not uploaded")
+            "is not written, so it is not uploaded; upload it again (the next pass of a watch or of the job does)")
 
 
 def _replaceable(remote: Remote, name: str, key: str) -> tuple[bytes | None, Manifest | None]:
