@@ -74,9 +74,10 @@ def watch(
                              daemon=True)
     timer.start()
     logger.info("watching %s, uploading to %s (keep %d)", folder, remote.url, config.keep)
+    started = time.time()  # before the write check, which may ride out an outage while the job ends
     try:
         check_writable(remote)  # read-only credentials end the watch now, not at the first checkpoint
-        return _loop(folder, remote, config.keep, stop, abort, poll_interval, grace)
+        return _loop(folder, remote, config.keep, stop, abort, poll_interval, grace, started)
     finally:
         returned.set()
         timer.join()
@@ -99,8 +100,8 @@ def _loop(
     abort: threading.Event,
     poll_interval: float,
     grace: float,
+    started: float,
 ) -> WatchOutcome:
-    started = time.time()
     runlog = RunlogMirror(folder, remote)  # the ledger and curves, after each checkpoint and at the end
     done: set[Identity] = set()  # local checkpoints complete in the remote: pushed, or found there, by this watch
     given_up: set[Identity] = set()  # local checkpoints that do not verify: not retried
@@ -131,11 +132,12 @@ def _loop(
             runlog.sync_or_warn()
             continue  # look again at once: a newer checkpoint may have been committed meanwhile
         marker = finished_marker(folder)
-        if marker is not None and (stop.is_set() or marker.mtime >= started) and _ended(folder, marker, done, remote):
+        if marker is not None and (stop.is_set() or marker.mtime >= started) and _ended(folder, marker, done, given_up,
+                                                                                        remote):
             runlog.sync_or_warn()
             return WatchOutcome.FINISHED
         if stop.is_set() and abort.is_set():
-            logger.warning("the grace period ended before the job marked %s finished; everything committed "
+            logger.warning("the grace period ended before the job marked %s finished; its newest checkpoint "
                            "is uploaded; exiting", folder)
             runlog.sync_or_warn()
             return WatchOutcome.STOPPED
@@ -152,23 +154,35 @@ def _identity(ckpt: LocalCheckpoint) -> Identity | None:
     return ckpt.step, st.st_ino, st.st_mtime_ns
 
 
-def _ended(folder: Path, marker: Finished, done: set[Identity], remote: Remote) -> bool:
-    """Whether the job's final checkpoint (the marker's step) is uploaded, said in one line when it is: this
-    watch uploaded (or found) that exact local checkpoint, or the remote holds that step complete. A step
-    with no checkpoint anywhere (nothing committed, or it was moved away) ends the watch with a warning,
-    since nothing is left to wait for: everything committed is uploaded when this is asked."""
+def _ended(folder: Path, marker: Finished, done: set[Identity], given_up: set[Identity], remote: Remote) -> bool:
+    """Whether the job's final checkpoint (the marker's step) is uploaded, said in one line when it is. Asked
+    once nothing is pending: a local checkpoint of that step is uploaded when this watch pushed (or found)
+    that exact save; one it has not is a save that came after the pass (a re-save of the step: the next pass
+    uploads it), so the remote's copy of the step, maybe the old save, does not count for it. Only where the
+    step has no local checkpoint that verifies does the remote's complete one count. A step with no
+    checkpoint anywhere ends the watch with a warning, since nothing is left to wait for."""
     committed = list_committed(folder)
-    local = next((c for c in committed if c.step == marker.step), None)
-    if local is not None and _identity(local) in done or is_complete(remote, marker.step):
-        logger.info("the job ended (%s) at step %d and it is uploaded; exiting", marker.reason, marker.step)
-        return True
-    if local is not None:
-        return False  # committed, not yet uploaded (or uploaded again: a re-save): the next poll pushes it
     if not committed:
         logger.info("the job ended (%s) at step %d with no checkpoint to upload; exiting", marker.reason, marker.step)
         return True
-    logger.warning("the job ended (%s) at step %d, but no checkpoint of that step is in %s or on %s; "
-                   "everything committed is uploaded; exiting", marker.reason, marker.step, folder, remote.url)
+    local = next((c for c in committed if c.step == marker.step), None)
+    identity = _identity(local) if local is not None else None
+    if identity is not None and identity in done:
+        logger.info("the job ended (%s) at step %d and it is uploaded; exiting", marker.reason, marker.step)
+        return True
+    if identity is not None and identity not in given_up:
+        return False
+    try:
+        there = is_complete(remote, marker.step)
+    except TransientStorageError as e:  # asked again at the next poll, as an upload that failed would be
+        logger.info("cannot see whether step %d is complete on %s (%s); asking again", marker.step, remote.url, e)
+        return False
+    if there:
+        logger.info("the job ended (%s) at step %d and it is complete on %s; exiting", marker.reason, marker.step,
+                    remote.url)
+    else:
+        logger.warning("the job ended (%s) at step %d, but no checkpoint of that step that verifies is in %s or "
+                       "on %s; its newest is uploaded; exiting", marker.reason, marker.step, folder, remote.url)
     return True
 
 
@@ -181,30 +195,23 @@ def _pending(
     The newest goes first, then the older ones of the keep window (the newest ``keep`` committed ones) that
     this watch has not pushed or found complete remotely: what was uploaded before does not matter, so a run
     resumed from an older step (its newer checkpoints moved away) is uploaded too. Older ones only while the
-    job runs: once it has ended, or the watch is ``stopping`` (SIGTERM), only the newest and the job's final
-    checkpoint go up, or an old one would take the grace the final one needs. Nor a node's older parts: the
-    other nodes may have skipped those steps, which would then never complete (parts older than the newest
-    this watch made complete are skipped, as the sidecars prefer the steps other nodes started, below).
+    job runs: once it has ended, or the watch is ``stopping`` (SIGTERM), only the job's final checkpoint
+    (first) and the newest go up, or an old one would take the grace the final one needs. A node's older part
+    goes up only where another node has started that step (below): one the other nodes skipped would never
+    complete.
 
     A node's part of a multi-node checkpoint is whole only once every node has uploaded its part of that
     step, and the sidecars never talk to each other: where another node has uploaded a newer step than
     this one did, and this node has it too, that one goes up instead of the newest, so that a node whose
     link is slower than the saves completes a checkpoint with each upload (the job's own uploads agree
-    on the steps instead, job.checkpoint). Once the job has ended, its last checkpoint goes first.
+    on the steps instead, job.checkpoint). Once the job has ended, its final checkpoint goes first.
     """
     committed = list_committed(folder)
     marker = finished_marker(folder)
     final = [c for c in committed if marker is not None and c.step == marker.step]
-    if stopping or marker is not None:  # the grace is for the job's last checkpoint: nothing older goes up
-        window = committed[-1:]
-    elif committed and is_node_part(committed[-1]):  # an older part another node skipped would never complete
-        newest_done = max((step for step, _, _ in done), default=-1)
-        window = [c for c in committed if c.step > newest_done] or committed[-1:]
-    else:
-        window = committed[-keep:]
-    window = [c for c in final if c not in window] + window
+    window = committed[-1:] if stopping or marker is not None else committed[-keep:]  # the grace is the final's
     waiting, finished_steps = [], []
-    for ckpt in reversed(window):
+    for ckpt in final + [c for c in reversed(window) if c not in final]:  # the final first, then newest first
         identity = _identity(ckpt)
         if identity is None or identity in given_up:
             continue
@@ -213,11 +220,13 @@ def _pending(
         else:
             waiting.append((ckpt, identity))
     anchor = max(finished_steps, default=None)
-    if len(waiting) > 1 and is_node_part(waiting[0][0]) and marker is None:  # the last goes first
+    newest = waiting[0] if waiting and waiting[0][0].step == committed[-1].step else None
+    if waiting and is_node_part(waiting[0][0]) and marker is None and (len(waiting) > 1 or newest is None):
         try:
             started = steps_other_nodes_started(remote)
         except StorageError as e:  # a preference only: the push that follows retries, or ends the watch
             logger.info("cannot see which steps other nodes have started (%s); uploading the newest", e)
-            return (*waiting[0], anchor)
-        return (*next((c for c in waiting if c[0].step in started), waiting[0]), anchor)
+            return None if newest is None else (*newest, anchor)
+        chosen = next((c for c in waiting if c[0].step in started), newest)
+        return None if chosen is None else (*chosen, anchor)
     return (*waiting[0], anchor) if waiting else None

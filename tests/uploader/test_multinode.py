@@ -234,6 +234,33 @@ def test_a_sidecar_uploads_the_newest_step_another_node_has_started_before_its_n
 
 
 
+def test_a_sidecar_uploads_a_step_another_node_started_below_a_part_left_from_an_earlier_life(
+    remote: Remote, tmp_path: Path
+) -> None:
+    """Review 39: node 0's own disk kept its part of 700 from the life before (node 1 died before its part).
+    Found in the bucket, that part became the watch's newest done, and the new life's 650, which node 1 had
+    uploaded its part of, was never uploaded here: nothing the new life saved completed."""
+    for node in (0, 1):
+        push(part(tmp_path, node, 600), remote, keep=5)
+    leftover = part(tmp_path, 0, 700)
+    push(leftover, remote, keep=5)
+    mine = part(tmp_path, 0, 650)
+    push(part(tmp_path, 1, 650), remote, keep=5)
+    assert _pending(tmp_path / "node0", 5, {_identity(leftover)}, set(), remote)[0] == mine
+
+
+def test_a_sidecar_leaves_an_older_part_no_other_node_started_and_the_final_part_goes_first(
+    remote: Remote, tmp_path: Path
+) -> None:
+    """An older part whose step no other node started would never complete: not uploaded. Once the job has
+    ended its final part goes first, not a newer part (review 39: a grace-too-short save on this node alone)."""
+    mine = [part(tmp_path, 1, step) for step in (300, 400)]
+    assert _pending(tmp_path / "node1", 5, {_identity(mine[1])}, set(), remote) is None
+    mark_finished(tmp_path / "node1", 300)
+    assert _pending(tmp_path / "node1", 5, set(), set(), remote)[0] == mine[0]
+    assert _pending(tmp_path / "node1", 5, set(), set(), remote, stopping=True)[0] == mine[0]
+
+
 class ListingFails(RecordingRemote):
     """A bucket whose listing answers 503 (after the retries)."""
 

@@ -20,12 +20,12 @@ from tests.support.polling import wait_until
 from tests.support.s3server import READER, Bucket, SeaweedFS, fast_config
 from tests.support.uploader_cli import cli_env, run_cli, uploader_command
 from uploader.config import UploadConfig
-from uploader.exceptions import Aborted, CorruptCheckpoint
-from uploader.layout import data_key
-from uploader.local import checkpoint_name, list_committed, list_set_aside, mark_finished
+from uploader.exceptions import Aborted, CorruptCheckpoint, TransientStorageError
+from uploader.layout import data_key, manifest_key
+from uploader.local import checkpoint_name, finished_marker, list_committed, list_set_aside, mark_finished
 from uploader.manifest import MANIFEST_NAME
 from uploader.remote import Remote, open_remote
-from uploader.sync import pull_newest
+from uploader.sync import pull_newest, push
 from uploader import watch as watch_module
 from uploader.watch import WatchOutcome, watch
 
@@ -267,3 +267,64 @@ def test_once_stopped_or_finished_the_watch_uploads_the_newest_and_final_only(
     first_upload.set()
     assert outcome.result(timeout=30) is WatchOutcome.FINISHED
     assert 4 in complete_steps(remote) and set(complete_steps(remote)) <= {3, 4}  # never 1 or 2
+
+
+def test_a_job_that_ends_while_the_watch_checks_its_write_access_ends_the_watch(
+    run_watch: StartWatch, tmp_path: Path, local: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review 39: the write check may ride out an outage for its whole retry budget; a job that ended
+    meanwhile left a marker older than the watch's start, taken for an earlier run's: it never exited."""
+    remote = open_remote(f"file://{tmp_path / 'remote'}", fast_config())
+
+    def job_ends_meanwhile(remote: Remote) -> None:
+        make_checkpoint(local, 1)
+        mark_finished(local, 1, reason="failed")
+
+    monkeypatch.setattr(watch_module, "check_writable", job_ends_meanwhile)
+    outcome, _ = run_watch(local, remote, fast_config())
+    assert outcome.result(timeout=10) is WatchOutcome.FINISHED and complete_steps(remote) == [1]
+
+
+def test_a_final_step_saved_again_after_the_pass_is_uploaded_before_the_watch_ends(
+    run_watch: StartWatch, tmp_path: Path, local: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review 39: a run rolled back re-saves step 500, whose diverged save is complete in the bucket. Saved
+    and marked right after a pass found nothing to do, the bucket's old 500 ended the watch: never uploaded."""
+    remote = open_remote(f"file://{tmp_path / 'remote'}", fast_config())
+    make_checkpoint(local, 400)
+    diverged = make_checkpoint(local, 500, seed=1)
+    push(list_committed(local)[0], remote, keep=3)
+    push(diverged, remote, keep=3)
+    shutil.rmtree(diverged.path)  # the rollback: the run restarts from 400
+    real_pending, saved = watch_module._pending, threading.Event()
+
+    def pending(*args: Any, **kwargs: Any) -> Any:
+        found = real_pending(*args, **kwargs)
+        if found is None and not saved.is_set():
+            saved.set()  # the job's final save of 500 and its marker, between the pass and the end check
+            make_checkpoint(local, 500, seed=2)
+            mark_finished(local, 500)
+        return found
+
+    monkeypatch.setattr(watch_module, "_pending", pending)
+    outcome, _ = run_watch(local, remote, fast_config())
+    assert outcome.result(timeout=30) is WatchOutcome.FINISHED
+    saved_now = (local / checkpoint_name(500) / MANIFEST_NAME).read_bytes()
+    assert remote.read_bytes(manifest_key(checkpoint_name(500))) == saved_now
+
+
+def test_a_job_that_ended_with_no_checkpoint_ends_the_watch_whatever_the_storage_says(
+    tmp_path: Path, local: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review 39: with nothing committed, the end check asked the remote first; an outage there ended the
+    watch with exit 5 instead of its "no checkpoint to upload"."""
+    def outage(remote: Remote, step: int) -> bool:
+        raise TransientStorageError("GET: 503 after 5 tries")
+
+    monkeypatch.setattr(watch_module, "is_complete", outage)
+    local.mkdir(parents=True, exist_ok=True)
+    mark_finished(local, 0, reason="failed")
+    marker = finished_marker(local)
+    assert marker is not None
+    remote = open_remote(f"file://{tmp_path / 'remote'}", fast_config())
+    assert watch_module._ended(local, marker, set(), set(), remote)
