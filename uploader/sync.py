@@ -366,6 +366,8 @@ def _upload(ckpt: LocalCheckpoint, remote: Remote, abort: threading.Event | None
     if part is None:  # a node's part is checked, with every other part, by _commit_parts
         _check_still_there(remote, ckpt.name, manifest.files)
     remote.write_bytes(marker, raw)
+    if part is None:  # and again: another's retention may have deleted the data between the check and the write
+        _check_still_there(remote, ckpt.name, manifest.files, written=marker)
     progress.close()
     logger.info("uploaded %s to %s (%d files, %d bytes%s)", marker if part else ckpt.name, remote.url,
                 len(manifest.files), manifest.total_size, f", {skipped} already there" if skipped else "")
@@ -382,7 +384,7 @@ def _missing_files(remote: Remote, name: str, files: Sequence[FileEntry],
     return [f.path for f in files if sizes.get(data_key(name, f.path)) != f.size]
 
 
-def _check_still_there(remote: Remote, name: str, files: Sequence[FileEntry]) -> None:
+def _check_still_there(remote: Remote, name: str, files: Sequence[FileEntry], written: str | None = None) -> None:
     """Right before a manifest is written: every file it names must be in the remote with its size. Another
     uploader on the same prefix (two sidecars on one folder, a hand-run sync beside one) took this upload,
     still without its manifest, for a dead one, and its retention deleted the data: a manifest written now
@@ -390,13 +392,17 @@ def _check_still_there(remote: Remote, name: str, files: Sequence[FileEntry]) ->
     upload is not done, the step is not reported uploaded, and the next pass (the watch's next poll, the
     in-process uploader's retry, the next sync) uploads again what is missing. No retry here: whoever
     deleted it has just uploaded a newer complete checkpoint, so nothing is lost meanwhile, and an
-    immediate retry would race the same retention again."""
+    immediate retry would race the same retention again. Asked again right after the manifest is ``written``:
+    that retention may have come between the first look and the write (an upload whose files were all there
+    long since is no young upload to it); the manifest is then deleted again, so the step stays incomplete."""
     missing = _missing_files(remote, name, files)
+    if missing and written is not None:  # the manifest just written is taken back: the checkpoint is incomplete
+        remote.delete([written])
     if missing:
         raise DataVanished(
             f"{name} on {remote.url}: {', '.join(missing[:3])}{' and more' if len(missing) > 3 else ''} vanished "
             "after being uploaded (another uploader on this prefix deleted it as a dead upload?); its manifest "
-            "is not written, so it is not uploaded; upload it again (the next pass of a watch or of the job does)")
+            "is not kept, so it is not uploaded; upload it again (the next pass of a watch or of the job does)")
 
 
 def _replaceable(remote: Remote, name: str, key: str) -> tuple[bytes | None, Manifest | None]:
@@ -580,6 +586,8 @@ def _after_commit(remote: Remote, keep: int, newest: int, *, uploaded: bool = Tr
         logger.info("retention: deleted %s %s from %s (keeping %d up to %s)",
                     "complete" if ckpt.complete else "incomplete", ckpt.name, remote.url, keep,
                     checkpoint_name(newest))
+    if doomed and _latest_step(remote) in {c.step for c in doomed}:  # it named one it kept (not moved back)
+        _point_latest(remote, newest)
 
 
 def _dead_uploads(remote: Remote, summaries: Sequence[RemoteCheckpoint],

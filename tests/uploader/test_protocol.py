@@ -29,7 +29,7 @@ from tests.support.recording import RecordingRemote
 from uploader import destination
 from uploader.exceptions import CorruptCheckpoint, LocalWriteError, UnsupportedFormat
 from uploader.filesystem import FileRemote
-from uploader.layout import LATEST_KEY, data_key, manifest_key
+from uploader.layout import LATEST_KEY, data_key, latest_document, manifest_key
 from uploader.local import STAGING_PREFIX, LocalCheckpoint, checkpoint_name, list_committed, list_set_aside, newest_verified
 from uploader.remote import Remote
 from uploader.sync import list_remote, newest_complete, pull_newest, push, push_all
@@ -480,6 +480,16 @@ def test_latest_never_goes_back_to_an_older_step(remote: Remote, tmp_path: Path)
     assert latest_step(remote) == 200
     push(make_checkpoint(y, 300), remote, keep=3)
     assert latest_step(remote) == 300
+
+
+def test_latest_never_names_a_checkpoint_the_same_pass_deleted(remote: Remote, tmp_path: Path) -> None:
+    """Review 39: an uploader died between 400's manifest and ``latest`` (still 300); the next pass found 400
+    there (nothing uploaded: latest left alone), then its retention (keep 1) deleted 300."""
+    push(make_checkpoint(tmp_path, 300), remote, keep=3)
+    push(make_checkpoint(tmp_path, 400), remote, keep=3)
+    remote.write_bytes(LATEST_KEY, latest_document(300))
+    assert push_all(tmp_path, remote, keep=1) == []
+    assert complete_steps(remote) == [400] and latest_step(remote) == 400
 
 
 def test_a_latest_naming_a_step_that_is_gone_names_the_newest_complete_one(remote: Remote, tmp_path: Path) -> None:

@@ -91,3 +91,25 @@ def test_retention_deletes_a_dead_upload_once_it_is_old(tmp_path: Path, caplog: 
         os.utime(path, (old, old))
     push(make_checkpoint(local, 300), remote, keep=3)
     assert {c.step: c.complete for c in list_remote(remote)} == {100: True, 200: True, 300: True}
+
+
+def test_data_deleted_between_the_check_and_the_manifest_takes_the_manifest_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review 39: a resumed upload whose files were all there long since (so no longer a young upload) listed
+    them, then another uploader's retention deleted them before its manifest landed: complete, without data.
+    The listing after the manifest finds it and deletes the manifest again."""
+    remote = open_remote(f"file://{tmp_path / 'remote'}", fast_config())
+    ckpt = make_checkpoint(tmp_path / "local", 100)
+    first_file = data_key(ckpt.name, ckpt.manifest().files[0].path)
+    real_write = FileRemote.write_bytes
+
+    def write_after_a_retention(self: FileRemote, key: str, data: bytes) -> None:
+        if key == manifest_key(ckpt.name):
+            self.delete([first_file])  # another uploader's retention, right between the check and the write
+        real_write(self, key, data)
+
+    monkeypatch.setattr(FileRemote, "write_bytes", write_after_a_retention)
+    with pytest.raises(DataVanished):
+        push(ckpt, remote, keep=3)
+    assert remote.head(manifest_key(ckpt.name)) is None and complete_steps(remote) == []
