@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import threading
 import time
 from pathlib import Path
@@ -49,6 +50,25 @@ from uploader.sync import is_complete, push, set_aside_local, steps_other_nodes_
 logger = logging.getLogger(__name__)
 
 Identity = tuple[int, int, int]  # (step, manifest inode, manifest mtime): one save of a local checkpoint
+# While only older node parts wait (the newest is up), which steps other nodes started is listed at most this
+# often: a listing of the whole prefix at every poll, for as long as a skipped part stays on disk, is waste.
+STARTED_REFRESH_S = 30.0
+
+
+class StartedSteps:
+    """sync.steps_other_nodes_started, listed again when a choice involves the newest part, or when the last
+    listing is older than STARTED_REFRESH_S."""
+
+    def __init__(self, remote: Remote) -> None:
+        self._remote = remote
+        self._steps: set[int] = set()
+        self._at = -math.inf
+
+    def get(self, fresh: bool) -> set[int]:
+        if fresh or time.monotonic() - self._at >= STARTED_REFRESH_S:
+            self._steps = steps_other_nodes_started(self._remote)
+            self._at = time.monotonic()
+        return self._steps
 
 
 class WatchOutcome(enum.Enum):
@@ -105,12 +125,13 @@ def _loop(
     runlog = RunlogMirror(folder, remote)  # the ledger and curves, after each checkpoint and at the end
     done: set[Identity] = set()  # local checkpoints complete in the remote: pushed, or found there, by this watch
     given_up: set[Identity] = set()  # local checkpoints that do not verify: not retried
+    started_steps = StartedSteps(remote)
     announced_stop = False
     while True:
         if stop.is_set() and not announced_stop:
             announced_stop = True
             logger.info("stop requested: uploading what is committed (at most %.0f s more)", grace)
-        pending = _pending(folder, keep, done, given_up, remote, stopping=stop.is_set())
+        pending = _pending(folder, keep, done, given_up, remote, stopping=stop.is_set(), started_steps=started_steps)
         if pending is not None:
             ckpt, identity, anchor = pending
             try:
@@ -187,7 +208,8 @@ def _ended(folder: Path, marker: Finished, done: set[Identity], given_up: set[Id
 
 
 def _pending(
-    folder: Path, keep: int, done: set[Identity], given_up: set[Identity], remote: Remote, stopping: bool = False
+    folder: Path, keep: int, done: set[Identity], given_up: set[Identity], remote: Remote, stopping: bool = False,
+    started_steps: StartedSteps | None = None,
 ) -> tuple[LocalCheckpoint, Identity, int | None] | None:
     """The next committed checkpoint to upload, its identity, and the step retention counts back from (the
     newest of the window this watch has made complete, None for itself).
@@ -223,7 +245,7 @@ def _pending(
     newest = waiting[0] if waiting and waiting[0][0].step == committed[-1].step else None
     if waiting and is_node_part(waiting[0][0]) and marker is None and (len(waiting) > 1 or newest is None):
         try:
-            started = steps_other_nodes_started(remote)
+            started = (started_steps or StartedSteps(remote)).get(fresh=newest is not None)
         except StorageError as e:  # a preference only: the push that follows retries, or ends the watch
             logger.info("cannot see which steps other nodes have started (%s); uploading the newest", e)
             return None if newest is None else (*newest, anchor)

@@ -328,3 +328,17 @@ def test_a_job_that_ended_with_no_checkpoint_ends_the_watch_whatever_the_storage
     assert marker is not None
     remote = open_remote(f"file://{tmp_path / 'remote'}", fast_config())
     assert watch_module._ended(local, marker, set(), set(), remote)
+
+
+def test_while_only_older_parts_wait_the_steps_other_nodes_started_are_listed_every_30_s_at_most(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An older part waits for another node to start its step: each poll (2 s) once listed the whole prefix."""
+    listings: list[float] = []
+    monkeypatch.setattr(watch_module, "steps_other_nodes_started", lambda remote: listings.append(0) or {7})
+    started = watch_module.StartedSteps(open_remote(f"file://{tmp_path / 'remote'}", fast_config()))
+    assert started.get(fresh=False) == {7} and started.get(fresh=False) == {7} and len(listings) == 1
+    assert started.get(fresh=True) == {7} and len(listings) == 2  # the newest part's choice: listed again
+    started._at -= watch_module.STARTED_REFRESH_S  # as if its listing were that old
+    started.get(fresh=False)
+    assert len(listings) == 3
