@@ -535,26 +535,28 @@ def _point_latest(remote: Remote, step: int) -> None:
         logger.warning("latest on %s is not updated: %s", remote.url, e)
 
 
-def _advance_latest(remote: Remote, newest: int, summaries: Sequence[RemoteCheckpoint], uploaded: bool) -> None:
+def _advance_latest(remote: Remote, newest: int, summaries: Sequence[RemoteCheckpoint], uploaded: bool) -> int | None:
     """Point ``latest`` at ``newest`` only where that moves it forward, and only after an upload: an older
     local step (another node's disk, a snapshot, the watch catching up) or one already there never takes it
     back. A ``latest`` that names no complete checkpoint (deleted, set aside, never written, malformed) is
-    wrong whatever was uploaded: it then names the newest complete one whose manifest makes a checkpoint."""
+    wrong whatever was uploaded: it then names the newest complete one whose manifest makes a checkpoint.
+    Returns the step ``latest`` names now."""
     current = _latest_step(remote)
     complete = {c.step for c in summaries if c.complete}
     if current is not None and current in complete:
         if current > newest:
             logger.info("latest on %s stays at step %d, newer than %s", remote.url, current, checkpoint_name(newest))
         if current >= newest or not uploaded:
-            return
+            return current
         _point_latest(remote, newest)
-        return
+        return newest
     newer = (c for c in reversed(summaries) if c.complete and c.step > newest and _unusable(remote, c) is None)
     target = next((c.step for c in newer), newest)
     if current is not None:
         logger.info("latest on %s named step %d, which is not complete there; pointing it at %s", remote.url,
                     current, checkpoint_name(target))
     _point_latest(remote, target)
+    return target
 
 
 def _after_commit(remote: Remote, keep: int, newest: int, *, uploaded: bool = True) -> None:
@@ -570,7 +572,7 @@ def _after_commit(remote: Remote, keep: int, newest: int, *, uploaded: bool = Tr
     if not complete or complete[-1].step != newest:
         logger.info("retention waits: %s is not complete on %s", checkpoint_name(newest), remote.url)
         return
-    _advance_latest(remote, newest, summaries, uploaded)
+    latest = _advance_latest(remote, newest, summaries, uploaded)
     ignored = [c.name for c in summaries if c.complete and c.step > newest]
     if ignored:
         warn_once(logger, ("remote retention, newer", remote.url, tuple(ignored)),
@@ -586,7 +588,7 @@ def _after_commit(remote: Remote, keep: int, newest: int, *, uploaded: bool = Tr
         logger.info("retention: deleted %s %s from %s (keeping %d up to %s)",
                     "complete" if ckpt.complete else "incomplete", ckpt.name, remote.url, keep,
                     checkpoint_name(newest))
-    if doomed and _latest_step(remote) in {c.step for c in doomed}:  # it named one it kept (not moved back)
+    if latest in {c.step for c in doomed}:  # it named one it kept (not moved back): now gone
         _point_latest(remote, newest)
 
 
