@@ -262,9 +262,9 @@ def merge_metrics(metrics: dict[str, Any], snapshots: list[dict[str, Any]]) -> N
                 continue
             metric._update_count = count  # merging leaves it: compute() must not think it never ran
     if unmerged:
-        logger.warning("train metric(s) %s cannot be merged across the old ranks (a state without a reduction to "
-                       "combine it): this epoch's value covers only what the new rank 0 holds; training is "
-                       "unchanged", ", ".join(sorted(unmerged)))
+        logger.warning("train metric(s) %s cannot be merged across the old ranks (a state whose reduction cannot "
+                       "combine two: none, or a mean): this epoch's value covers only what the new rank 0 holds; "
+                       "training is unchanged", ", ".join(sorted(unmerged)))
 
 
 def _merges_itself(metric: Metric) -> bool:
