@@ -1,9 +1,11 @@
 """The sidecar loop: upload each newly committed checkpoint, newest first, until told to stop.
 
-Only the newest committed checkpoint matters after a preemption, so the newest goes up first; the
-older ones of the keep window (the newest ``keep`` committed ones, as ``sync``) that are not complete in
-the remote go up after it, whatever this watch uploaded before (a run resumed from an older step after
-its newer ones were moved away is uploaded too), each counting retention back from the newest uploaded.
+Only the newest committed checkpoint matters after a preemption, so the newest goes up first; while the
+job runs, the older ones of the keep window (the newest ``keep`` committed ones, as ``sync``) that are not
+complete in the remote go up after it, whatever this watch uploaded before (a run resumed from an older
+step after its newer ones were moved away is uploaded too), each counting retention back from the newest
+uploaded. Once the job has ended or the watch is stopping, only its final checkpoint and the newest do
+(_pending).
 Each local checkpoint is looked at once per save (its manifest's identity): one already complete in the
 remote costs one read of its manifest. Storage outages are ridden out: an upload that gives
 up (TransientStorageError) is tried again on the next poll and resumes where it stopped. Wrong
@@ -15,8 +17,9 @@ own checks (LocalCheckpointError) is set aside, and the watch goes on with the n
 
 It ends by itself, FINISHED, once the job has marked the folder finished (uploader.local.mark_finished)
 after this watch started, and that step is uploaded: this watch uploaded (or found in the remote) that
-exact local checkpoint, or the remote holds it complete. A job whose marker names a step it has no
-checkpoint of, locally or remotely, ends the watch with a warning once everything committed is uploaded.
+exact local checkpoint or, where no local checkpoint of that step verifies, the remote holds it complete
+(_ended). A job whose marker names a step it has no checkpoint of, locally or remotely, ends the watch
+with a warning once its newest is uploaded.
 A marker older than the watch is left over from
 an earlier run on the same volume (a PVC, a compose volume): the job clears it when it starts, so it
 is not a reason to stop.
