@@ -268,9 +268,10 @@ def merge_metrics(metrics: dict[str, Any], snapshots: list[dict[str, Any]]) -> N
 
 
 def _merges_itself(metric: Metric) -> bool:
-    """Its ``merge_state`` accepts another's state: its own override, or torchmetrics' for a metric it allows."""
-    overridden = type(metric).merge_state is not Metric.merge_state
-    return overridden or (metric.full_state_update is False and not metric.dist_sync_on_step)
+    """Its class overrides ``merge_state``, so it knows how to combine its own states. torchmetrics' default
+    allows ``full_state_update=False`` metrics whatever their reductions, averaging a "mean" state as one more
+    step and stacking a state without one: those go through ``_reducible`` like any other."""
+    return type(metric).merge_state is not Metric.merge_state
 
 
 def _reducible(metric: Metric) -> bool:

@@ -232,7 +232,14 @@ class Averaged(torchmetrics.Metric):
         return self.level
 
 
-@pytest.mark.parametrize("make", [lambda: torchmetrics.PearsonCorrCoef(), Averaged], ids=["pearson", "mean"])
+class AveragedDeclared(Averaged):
+    """The same, declared as torchmetrics' merge_state allows: it averaged the two ranks' states as two steps."""
+
+    full_state_update = False
+
+
+@pytest.mark.parametrize("make", [lambda: torchmetrics.PearsonCorrCoef(), Averaged, AveragedDeclared],
+                         ids=["pearson", "mean", "mean-declared"])
 def test_a_metric_whose_states_cannot_be_combined_keeps_rank_0_s_with_a_warning(caplog, make: Any) -> None:
     """Pearson's running moments have no reduction: merged, they would be stacked and then updated on. A "mean"
     state was merged as if the other rank's were one more step of this one: wrong numbers, silently."""
