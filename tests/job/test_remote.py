@@ -5,7 +5,6 @@ import json
 import shutil
 import signal
 import sys
-import time
 
 import pytest
 
@@ -130,7 +129,6 @@ def test_storage_errors_fail_fast_with_one_line(tmp_path, s3_bucket, case, code,
     env = s3_job_env(s3_bucket, credentials)
     bucket_name = "no-such-bucket-here" if case == "missing-bucket" else s3_bucket.name
     remote = f"s3://{bucket_name}/run"
-    started = time.monotonic()
     # read-only can list and read, so the start-up pull passes: the write check must catch it
     done = run_job("train", *ARGS, "--save-folder", str(tmp_path / "ck"), "--remote", remote, env=env)
     assert done.returncode == code, done.stderr
@@ -138,7 +136,7 @@ def test_storage_errors_fail_fast_with_one_line(tmp_path, s3_bucket, case, code,
     assert last.startswith("job: error:") and bucket_name in last and s3_bucket.endpoint_url in last
     assert needle in last.lower()
     assert "not-the-secret" not in done.stderr and s3_bucket.credentials.secret_key not in done.stderr
-    assert time.monotonic() - started < 60  # seconds, not a retry storm
+    assert "retry 1 of at most" not in done.stderr  # failed at once, not after a retry budget (uploader.retry)
     assert not {"start", "progress", "checkpoint"} & {e.get("event") for e in events(done.stderr)}  # before any training
     assert not list((tmp_path / "ck").glob("step-*"))
 

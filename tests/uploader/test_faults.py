@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -193,19 +192,15 @@ def test_permanent_errors_fail_fast_with_one_clear_line(
 ) -> None:
     make_checkpoint(tmp_path / "local", 1)
     bucket = bucket_name or s3_bucket.name
-    started = time.monotonic()
 
     result = run_cli(["sync", str(tmp_path / "local"), f"s3://{bucket}/ckpt"],
                      cli_env(s3_bucket, credentials, endpoint_url=fault_proxy.endpoint_url))
-
-    elapsed = time.monotonic() - started
     lines = result.stderr.strip().splitlines()
     assert result.returncode == exit_code, result.stderr
     assert lines[-1].startswith("uploader: error:") and says in lines[-1]
     assert bucket in lines[-1] and fault_proxy.endpoint_url in lines[-1]
     assert "Traceback" not in result.stderr and credentials.secret_key not in result.stderr
-    assert fault_proxy.counters.requests <= max_requests, fault_proxy.counters.request_lines
-    assert elapsed < 20  # no retry storm: seconds, not the minutes a retry budget would take
+    assert fault_proxy.counters.requests <= max_requests, fault_proxy.counters.request_lines  # no retry storm
 
 
 def test_a_ranged_download_reuses_its_connections(fault_proxy: FaultProxy, s3_bucket: Bucket, tmp_path: Path) -> None:

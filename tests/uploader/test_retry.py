@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import http.client
 import logging
-import time
 
 import pytest
 import urllib3.exceptions
@@ -86,24 +85,43 @@ def test_an_abort_stops_retrying_at_once() -> None:
     assert flaky.calls == 2
 
 
-def test_the_time_limit_stops_retrying_before_the_attempts_run_out() -> None:
+class FakeClock:
+    """uploader.retry's ``time``: a clock that moves only when the retry layer sleeps."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_the_time_limit_stops_retrying_before_the_attempts_run_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("uploader.retry.time", FakeClock())
     flaky = Flaky(boto_errors.EndpointConnectionError(endpoint_url="http://x"))
     with pytest.raises(RetryError):
         retrying(UploadConfig(max_attempts=50, max_retry_seconds=0.5), "GET k")(flaky)
     assert 1 < flaky.calls < 50
 
 
-def test_no_attempt_starts_once_the_budget_is_spent() -> None:
-    """max_retry_seconds bounds the whole operation: a pause that would end past it is not taken.
-    (0.6 s: the second attempt starts 0.25-0.5 s in, a third could only start 0.75 s in or later.)"""
+@pytest.mark.parametrize("jitter", ["least", "most"])
+def test_no_attempt_starts_once_the_budget_is_spent(monkeypatch: pytest.MonkeyPatch, jitter: str) -> None:
+    """max_retry_seconds bounds the whole operation: a pause that would end past it is not taken, whatever
+    the jitter (the pauses are 0.25-0.5 s, then 0.5-0.75 s, ...)."""
+    clock = FakeClock()
+    monkeypatch.setattr("uploader.retry.time", clock)
+    monkeypatch.setattr("tenacity.wait.random.uniform", lambda a, b: a if jitter == "least" else b)
     starts: list[float] = []
     flaky = Flaky(boto_errors.EndpointConnectionError(endpoint_url="http://x"))
 
     def attempt() -> None:
-        starts.append(time.monotonic())
+        starts.append(clock.now)
         flaky()
 
-    began = time.monotonic()
+    began = clock.now
     with pytest.raises(RetryError):
         retrying(UploadConfig(max_attempts=50, max_retry_seconds=0.6), "GET k")(attempt)
-    assert len(starts) >= 2 and all(t - began < 0.7 for t in starts), [round(t - began, 2) for t in starts]
+    offsets = [t - began for t in starts]
+    assert len(offsets) == 2 and 0.25 <= offsets[1] <= 0.5, offsets  # a third could start 0.75 s in at best
