@@ -147,7 +147,7 @@ class SpotHandler:
         if notice is not None:
             left = None if notice.deadline is None else round(notice.deadline - time.time(), 1)
             event(logger, "spot_notice", provider=notice.provider, kind=notice.kind, seconds_left=left,
-                  step=state.timer.batch.value)
+                  deadline=notice.deadline, step=state.timer.batch.value)
             if notice.deadline is not None:
                 self.deadline = notice.deadline if self.deadline is None else min(self.deadline, notice.deadline)
         if self.deadline is not None and not self.stop.requested:

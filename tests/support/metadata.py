@@ -96,5 +96,11 @@ class MetadataServer:
         when = datetime.fromtimestamp(datetime.now(timezone.utc).timestamp() + seconds_from_now, timezone.utc)
         self.instance_action = {"action": action, "time": when.strftime("%Y-%m-%dT%H:%M:%SZ")}
 
+    def aws_deadline(self) -> float:
+        """The instance action's time, as seconds since the epoch (the notice's deadline, to the second)."""
+        assert self.instance_action is not None, "no instance action noticed"
+        when = datetime.strptime(self.instance_action["time"], "%Y-%m-%dT%H:%M:%SZ")
+        return when.replace(tzinfo=timezone.utc).timestamp()
+
     def notice_rebalance(self) -> None:
         self.rebalance = {"noticeTime": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
