@@ -39,8 +39,10 @@ def test_a_session_takes_writes_to_more_buckets_than_weeds_automatic_volume_limi
     server.start()
     try:
         client = server.client()
-        for _ in range(100):
-            client.put_object(Bucket=server.create_bucket(), Key="ckpt/state.pt", Body=b"x" * 1000)
+        buckets = [server.create_bucket() for _ in range(100)]
+        for bucket in buckets:
+            client.put_object(Bucket=bucket, Key="ckpt/state.pt", Body=b"x" * 1000)  # raises: InternalError
+        assert all(client.head_object(Bucket=b, Key="ckpt/state.pt")["ContentLength"] == 1000 for b in buckets)
     finally:
         server.stop()
         shutil.rmtree(server.workdir, ignore_errors=True)
