@@ -23,7 +23,7 @@ from click.core import ParameterSource
 import torch
 
 from job import distributed
-from job.config import CheckpointConfig, TrainConfig
+from job.config import MAX_WORKERS, CheckpointConfig, TrainConfig
 from job.distributed import DistConfig
 from job.exceptions import EXIT_BUG, EXIT_PREEMPTED, EXIT_USAGE, ConfigError, JobError, exit_code_for
 from job.logs import setup_logging
@@ -178,16 +178,16 @@ def _dump_stacks_in_child(stream: Any) -> None:
 @option("--model", default="mlp", help="Built-in model (mlp, mlp-large) or pkg.module:function returning an nn.Module.")
 @option("--data", default="spirals", help="Built-in data (spirals) or pkg.module:function(split) returning a Dataset.")
 @option("--max-duration", type=TimeType(), default="12ep", help="How long to train: ep, ba, sp or tok.")
-@option("--batch-size", type=int, default=64, help="Samples per optimizer step.")
+@option("--batch-size", type=click.IntRange(min=1), default=64, help="Samples per optimizer step.")
 @option("--lr", type=float, default=3e-3, help="Peak learning rate (AdamW, cosine decay).")
-@option("--seed", type=int, default=17, help="Seed of rank 0 (rank r uses seed + r).")
+@option("--seed", type=click.IntRange(0, SEED_LIMIT - 1), default=17, help="Seed of rank 0 (rank r uses seed + r).")
 @option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", help="auto: cuda when present.")
 @option("--precision", type=click.Choice([p.value for p in Precision]), default="fp32", help="amp_* need a GPU.")
-@option("--grad-accum", type=int, default=1, help="Micro-batches per optimizer step (divides --batch-size).")
+@option("--grad-accum", type=click.IntRange(min=1), default=1, help="Micro-batches per optimizer step (divides --batch-size).")
 @option("--eval-interval", type=IntervalType(), default="1ep",
         help="Evaluate every N ba/ep, a fraction of --max-duration (0.25dur) or wall-clock (90s).")
-@option("--log-interval", type=int, default=20, help="Log progress every N batches.")
-@option("--num-workers", type=int, default=0, help="DataLoader worker processes.")
+@option("--log-interval", type=click.IntRange(min=1), default=20, help="Log progress every N batches.")
+@option("--num-workers", type=click.IntRange(0, MAX_WORKERS), default=0, help="DataLoader worker processes.")
 @option("--sharded/--no-sharded", default=False,
         help="FSDP2: shard parameters and optimizer state across torchrun ranks; each rank writes its own shard.")
 @option("--tensorboard/--no-tensorboard", default=True,
@@ -197,7 +197,7 @@ def _dump_stacks_in_child(stream: Any) -> None:
         help="Local checkpoint folder.")
 @option("--save-interval", type=IntervalType(), default="5m",
         help="Checkpoint every N ba/ep, a fraction of --max-duration (0.1dur) or wall clock (90s, 5m).")
-@option("--keep", type=int, default=3, help="Keep the newest N checkpoints, locally and in the remote.")
+@option("--keep", type=click.IntRange(min=1), default=3, help="Keep the newest N checkpoints, locally and in the remote.")
 @option("--async-save/--sync-save", default=True,
         help="async: block only for a copy into host memory and write in the background (a checkpoint due "
              "while the last is still being written is deferred to the first step after it, never waited "

@@ -37,7 +37,7 @@ def run_main(capsys, *argv: str) -> tuple[int, str, str]:
         (["train", "--save-interval", "5q"], "--save-interval"),
         (["train", "--keep", "0"], "--keep"),
         (["train", "--save-folder", ""], "'--save-folder' (env var: 'JOB_SAVE_FOLDER'): is empty; give a folder"),
-        (["train", "--num-workers", "99999999999999999999"], "--num-workers must be from 0 to 256"),
+        (["train", "--num-workers", "99999999999999999999"], "99999999999999999999 is not in the range 0<=x<=256"),
         (["train", "--precision", "amp_bf16", "--device", "cpu"], "--precision"),
         (["train", "--model", "no_such_pkg.mod:fn"], "--model"),
         (["train", "--data", "spirals-but-typo"], "--data"),
