@@ -18,6 +18,15 @@ Why tenacity and not botocore:
 * s3transfer is not used for the same reason: its downloads retry streaming errors themselves
   (a second layer) and a failed upload restarts the whole file.
 
+Above this layer there is one deliberate loop, at the level of a whole checkpoint, not of a request: the
+job's background uploader (uploader.worker) and the sidecar (uploader.watch) try a checkpoint whose
+upload ran out of this budget again later (a retry interval, or the next poll), each time with one log
+line. An outage may outlast any budget, and giving up would leave the remote behind for the rest of the
+run; a newer checkpoint replaces the one waiting. The job's loop ends with the job: its final upload waits
+at most --final-upload-timeout, then exit 5; the sidecar's once it is told to stop (SIGTERM, as Kubernetes
+sends a native sidecar when the job's container exits): --grace more, then exit 5. ``uploader sync`` has no such loop:
+it exits 5 at once.
+
 file:// remotes are not retried at all: a local disk has no transient failures worth a retry, and an
 NFS hard mount already retries inside the kernel (that is its one layer).
 
