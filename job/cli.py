@@ -183,7 +183,8 @@ def _dump_stacks_in_child(stream: Any) -> None:
 @option("--seed", type=click.IntRange(0, SEED_LIMIT - 1), default=17, help="Seed of rank 0 (rank r uses seed + r).")
 @option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", help="auto: cuda when present.")
 @option("--precision", type=click.Choice([p.value for p in Precision]), default="fp32", help="amp_* need a GPU.")
-@option("--grad-accum", type=click.IntRange(min=1), default=1, help="Micro-batches per optimizer step (divides --batch-size).")
+@option("--grad-accum", type=click.IntRange(min=1), default=1,
+        help="Micro-batches per optimizer step (divides --batch-size).")
 @option("--eval-interval", type=IntervalType(), default="1ep",
         help="Evaluate every N ba/ep, a fraction of --max-duration (0.25dur) or wall-clock (90s).")
 @option("--log-interval", type=click.IntRange(min=1), default=20, help="Log progress every N batches.")
@@ -197,7 +198,8 @@ def _dump_stacks_in_child(stream: Any) -> None:
         help="Local checkpoint folder.")
 @option("--save-interval", type=IntervalType(), default="5m",
         help="Checkpoint every N ba/ep, a fraction of --max-duration (0.1dur) or wall clock (90s, 5m).")
-@option("--keep", type=click.IntRange(min=1), default=3, help="Keep the newest N checkpoints, locally and in the remote.")
+@option("--keep", type=click.IntRange(min=1), default=3,
+        help="Keep the newest N checkpoints, locally and in the remote.")
 @option("--async-save/--sync-save", default=True,
         help="async: block only for a copy into host memory and write in the background (a checkpoint due "
              "while the last is still being written is deferred to the first step after it, never waited "
