@@ -79,6 +79,9 @@ class CheckpointCadence:
     _clock: float = field(default_factory=time.monotonic)
 
     def due(self, state: State, epoch_ended: bool) -> bool:
+        discarded = self.checkpointer.take_discarded()
+        if discarded is not None and discarded == self.last_step:  # stale, never to be committed: taken again now
+            self.last_step, self._owed = self._previous_step, True
         return self._owed or self.cfg.interval.due(state.timer, epoch_ended, time.monotonic() - self._clock)
 
     def take(self, state: State) -> None:

@@ -31,7 +31,7 @@ from job.exceptions import CheckpointLoadError, CheckpointWriteError, ConfigErro
 from job.logs import event
 from job.safe_load import first_line, load_weights_only
 from job.sharded import HostStaging
-from job.snapshot import Deferred, HostSnapshot, written_by_update
+from job.snapshot import Deferred, HostSnapshot, Path_, written_by_update
 from state import State
 from uploader import local
 from uploader.exceptions import CorruptCheckpoint, ManifestError
@@ -54,7 +54,9 @@ class Checkpointer:
     reused host buffers (job.snapshot) and writes in a background thread. The parameters and the
     optimizer state are copied by that thread, before it writes, while the next step runs its forward
     and backward: the loop calls :meth:`before_update` right before its optimizer step, which copies
-    what that thread has not started and waits for the rest (job.snapshot's rule). At most one checkpoint is
+    what that thread has not started and waits for the rest (job.snapshot's rule), then settles whether
+    the forward wrote any of them meanwhile: the writer commits only after that verdict, and discards a stale
+    snapshot, whose step :meth:`take_discarded` reports for a retake. At most one checkpoint is
     in flight; when the next is due before the last is durable, ``save_async`` returns False without
     doing anything, and the caller tries again after the next step: the loop never waits on the disk
     and never touches buffers that are being written. ``save`` is the durable path (end of training,
@@ -94,8 +96,11 @@ class Checkpointer:
         self._pending: _ShardedSave | None = None  # the sharded checkpoint in flight, on every rank alike
         self._writer: threading.Thread | None = None
         self.last_committed: int | None = None  # the step this process committed last (its writer may still run)
+        self.last_taken: int | None = None  # the step of the last pipelined snapshot (save_async, rank 0)
         self._held_back: local.LocalCheckpoint | None = None  # committed here last, without on_commit
         self._deferred: Deferred | None = None  # the parameters and optimizer state the writer still copies
+        self._written_outside_update: set[Path_] = set()  # tensors a forward writes: copied at once (job.snapshot)
+        self._discarded: int | None = None  # the step of a snapshot found stale, never committed (take_discarded)
         self._reserving: threading.Thread | None = None
         self._error: BaseException | None = None
         self._retention = threading.Lock()  # a commit's prune, against freeze_retention
@@ -145,8 +150,9 @@ class Checkpointer:
         if distributed.rank() != 0:  # rank 0 writes the replicated state, with every rank's own part
             return True
         self._reserved()
-        tree, ready, self._deferred = self._snapshot.capture_pipelined(tree, written_by_update(state.optimizers))
+        tree, ready, self._deferred = self._snapshot.capture_pipelined(tree, self._later(state))
         step, timer = state.timer.batch.value, state.timer.state_dict()
+        self.last_taken = step
         self.last_stall_seconds = time.perf_counter() - started
         self._writer = threading.Thread(target=self._write_in_background,
                                         args=(tree, ready, self._deferred, step, timer),
@@ -154,18 +160,46 @@ class Checkpointer:
         self._writer.start()
         return True
 
+    def _later(self, state: State) -> Callable[[Path_, torch.Tensor], bool]:
+        """job.snapshot's rule, less the tensors found written outside the optimizer step before."""
+        by_update = written_by_update(state.optimizers)
+        outside = self._written_outside_update
+        return lambda path, tensor: path not in outside and by_update(path, tensor)
+
     def before_update(self) -> None:
         """Right before the optimizer step (or anything else that writes the parameters or the optimizer
         state): finish the copy of them the checkpoint in flight has not finished, here, with training's
-        threads; the time it takes counts in ``last_stall_seconds``. Nothing at all when no copy is running."""
+        threads; the time it takes counts in ``last_stall_seconds``. Then settle whether the forward wrote
+        any of them meanwhile (job.snapshot). Nothing at all when no copy is running."""
         deferred = self._deferred
-        if deferred is None or deferred.done.is_set():
-            self._deferred = None
+        if deferred is None:
             return
-        started = time.perf_counter()
-        deferred.block_writes()
-        self._deferred = None
-        self.last_stall_seconds = (self.last_stall_seconds or 0.0) + time.perf_counter() - started
+        if not deferred.done.is_set():
+            started = time.perf_counter()
+            deferred.block_writes()
+            self.last_stall_seconds = (self.last_stall_seconds or 0.0) + time.perf_counter() - started
+        self._settle()
+
+    def _settle(self) -> None:
+        """The training thread's verdict on the pipelined snapshot in flight (job.snapshot's Deferred.settle):
+        one written since its capture is discarded by its writer, its step reported by take_discarded, and
+        the tensors written are copied at once from the next checkpoint on."""
+        deferred, self._deferred = self._deferred, None
+        if deferred is None:
+            return
+        written = deferred.settle()
+        if written:
+            self._discarded = self.last_taken
+            self._written_outside_update.update(written)
+            names = ", ".join(".".join(map(str, path)) for path in written[:5]) + (" ..." if written[5:] else "")
+            logger.warning("checkpoint of step %s discarded: %s changed between two optimizer steps (a module that "
+                           "writes its parameters in forward, e.g. nn.Embedding(max_norm=...)); they are copied at "
+                           "once from now on, and the checkpoint is taken again", self.last_taken, names)
+
+    def take_discarded(self) -> int | None:
+        """The step of the last snapshot discarded as stale (once): it will never be committed."""
+        step, self._discarded = self._discarded, None
+        return step
 
     def save(self, state: State) -> local.LocalCheckpoint | None:
         """Write and commit a checkpoint of ``state`` now; durable when this returns."""
@@ -395,7 +429,10 @@ class Checkpointer:
                 return False
             self._reserving = None
         if self._writer is not None:
-            self._writer.join(timeout)  # its copy of the parameters first (before_update)
+            if self._deferred is not None:  # nothing wrote the sources since before_update: its verdict now
+                self._deferred.block_writes()
+                self._settle()
+            self._writer.join(timeout)
             if self._writer.is_alive():
                 return False
             self._writer = self._deferred = None
@@ -433,17 +470,22 @@ class Checkpointer:
                 return  # a copy failed in the training thread and was raised there: nothing whole to write
             if ready is not None:
                 ready.synchronize()
-            self._write(tree, step, timer)
+            self._write(tree, step, timer, settled=deferred.wait_settled)
         except BaseException as e:  # noqa: BLE001 - handed to the training thread by wait()/save_async()
             self._error = e
 
-    def _write(self, tree: Any, step: int, timer: dict[str, int]) -> local.LocalCheckpoint:
-        """Serialize, hash, fsync and commit; on any OSError the previous checkpoints stay as they were."""
+    def _write(self, tree: Any, step: int, timer: dict[str, int],
+               settled: Callable[[], bool] | None = None) -> local.LocalCheckpoint | None:
+        """Serialize, hash, fsync and commit; on any OSError the previous checkpoints stay as they were.
+        ``settled``: False when the snapshot turned out stale (job.snapshot): then nothing is committed."""
         started = time.perf_counter()
         staging: Path | None = None
         try:
             staging = local.staging_dir(self.folder, step)
             manifest = Manifest(step=step, files=(_write_file(staging / STATE_FILE, tree),), timer=timer, meta=self.meta)
+            if settled is not None and not settled():
+                shutil.rmtree(staging, ignore_errors=True)
+                return None
             return self._commit(staging, manifest, started)
         except OSError as e:
             if staging is not None:

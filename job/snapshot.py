@@ -20,8 +20,14 @@ The rule (:func:`written_by_update`), on ``State.state_dict()``'s layout:
   train metrics (updated in forward), ``per_rank``. They are small.
 
 This holds while nothing but the optimizer step writes parameters or optimizer state between two
-steps (zero_grad, forward, backward, DDP's all-reduce and evaluation do not); anything else that does
-must call ``block_writes`` first. On CUDA the copies are issued at once on a side stream that first
+steps (zero_grad, forward, backward, DDP's all-reduce and evaluation do not, as a rule); anything else
+that does must call ``block_writes`` first. Some stock modules break the rule: ``nn.Embedding(max_norm=...)``
+renormalizes the rows it looks up, in place, in every forward. So the rule is checked, not trusted: every
+in-place write bumps a tensor's version counter, and :meth:`Deferred.settle`, in the training thread
+right before the optimizer step, compares each deferred tensor's version with the one it had at the
+capture. A tensor written since may have been copied after the write: the snapshot is stale, and its
+writer discards it instead of committing it (Deferred.wait_settled); the caller copies such tensors at
+once from then on (job.checkpoint). On CUDA the copies are issued at once on a side stream that first
 waits for the current one, and ``block_writes`` makes the current stream wait for the side stream's
 event: the host does not block. On CPU the writer's thread copies, one piece (up to 16 MiB of a tensor)
 at a time, at the writer's priority and alone (one memmove, no OpenMP team of its own): it takes the CPU
@@ -95,11 +101,16 @@ def _same_bytes(buf: torch.Tensor, src: torch.Tensor) -> bool:
 
 class Deferred:
     """The copies :meth:`HostSnapshot.capture_pipelined` left for later: the writer's thread ``run``s
-    them; the training thread, in ``block_writes``, takes over the ones not yet started (module docstring)."""
+    them; the training thread, in ``block_writes``, takes over the ones not yet started, and ``settle``s
+    whether the sources stayed as they were captured (module docstring)."""
 
-    def __init__(self, pairs: list[Pair], event: torch.cuda.Event | None) -> None:
+    def __init__(self, pairs: list[Pair], event: torch.cuda.Event | None,
+                 versions: list[tuple[Path_, torch.Tensor, int]] | None = None) -> None:
         self._pairs = pairs  # (buffer, source); on CUDA held until the side stream is done with the sources
         self._event = event  # CUDA: recorded on the side stream after its copies
+        self._versions = versions or []  # (path, source, its version counter at the capture)
+        self._written: list[Path_] = []  # the sources written between the capture and settle
+        self._settled = threading.Event()
         self._lock = threading.Lock()
         self._taken = 0  # pairs[:taken] are copied or being copied, by one thread or the other
         self._left = len(pairs)  # pairs not copied yet
@@ -121,6 +132,22 @@ class Deferred:
         self._copy_until_none_left(alone=True)
         self.done.wait()  # for the ones the training thread took
         return not self._failed
+
+    def settle(self) -> list[Path_]:
+        """In the training thread, once its copies are done (``done``) and before anything writes the sources
+        on purpose: the deferred tensors written in place since the capture (their copy may hold the write).
+        Empty: the snapshot is the state at the capture, and its writer may commit it."""
+        if not self._settled.is_set():
+            self._written = [path for path, src, version in self._versions if src._version != version]
+            self._versions = []  # the sources are not held past this step
+            self._settled.set()
+        return self._written
+
+    def wait_settled(self) -> bool:
+        """In the writer's thread, before its commit: True once the training thread has found the sources
+        unwritten since the capture; False where one was written (the snapshot must be discarded)."""
+        self._settled.wait()
+        return not self._written
 
     def block_writes(self) -> None:
         """In the training thread, before anything writes the sources: copy the pieces no thread has
@@ -208,8 +235,10 @@ class HostSnapshot:
         tree, filled by the returned :class:`Deferred` (module docstring)."""
         self.bytes = 0
         seen: set[Path_] = set()
-        deferred: list[Pair] = []
-        copied = self._copy(tree, (), seen, later, deferred)
+        later_ones: list[tuple[Path_, torch.Tensor, torch.Tensor]] = []  # (path, buffer, source)
+        copied = self._copy(tree, (), seen, later, later_ones)
+        deferred = [(buf, src) for _, buf, src in later_ones]
+        versions = [(path, src, src._version) for path, _, src in later_ones]
         for stale in set(self._buffers) - seen:  # the state shrank: free what it no longer uses
             del self._buffers[stale]
         event = side_done = None
@@ -227,16 +256,16 @@ class HostSnapshot:
                 side_done = side.record_event()
         else:
             deferred = [piece for pair in deferred for piece in _pieces(*pair)]
-        return copied, event, Deferred(deferred, side_done)
+        return copied, event, Deferred(deferred, side_done, versions)
 
     def _copy(self, node: Any, path: Path_, seen: set[Path_], later: Later,
-              deferred: list[Pair]) -> Any:
+              deferred: list[tuple[Path_, torch.Tensor, torch.Tensor]]) -> Any:
         if isinstance(node, torch.Tensor):
             seen.add(path)
             src = node.detach()
             buf = self._buffer(src, path)
             if later(path, src):
-                deferred.append((buf, src))
+                deferred.append((path, buf, src))
             else:
                 buf.copy_(src, non_blocking=buf.is_pinned())
             return buf
