@@ -262,8 +262,10 @@ class Checkpointer:
         # up only when no node is still uploading; the one a run ends on always does (job.app: announce).
         upload = not own_disks or not distributed.agree(bool(self.protect()))[0]
         tree = state.state_dict()
-        files: dict[str, Any] = {sharded.rank_file(rank, world): {k: tree[k] for k in distributed.PER_RANK_KEYS
-                                                                   if k in tree}}
+        own = {k: tree[k] for k in distributed.PER_RANK_KEYS if k in tree}
+        if world > 1:
+            own[sharded.BUFFERS] = sharded.own_buffers(state.model)
+        files: dict[str, Any] = {sharded.rank_file(rank, world): own}
         if rank == 0:
             files[REPLICATED_FILE] = {k: v for k, v in tree.items()
                                       if k not in (sharded.MODEL, sharded.OPTIMIZERS, *distributed.PER_RANK_KEYS)}

@@ -25,7 +25,9 @@ T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
-PER_RANK_KEYS = ("rng", "train_metrics")
+# Each rank's own state in a checkpoint: its RNG streams, its train-metric accumulators, and (sharded runs
+# on several ranks only, job.sharded.own_buffers) its model buffers; absent entries are None.
+PER_RANK_KEYS = ("rng", "train_metrics", "buffers")
 PER_RANK = "per_rank"
 
 COLLECTIVE_TIMEOUT_S = 600.0

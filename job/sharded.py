@@ -11,7 +11,8 @@ job.dcp_storage: metadata as JSON, every read weights-only.
 
 What is not sharded stays out of DCP, in plain weights-only torch files: ``replicated.pt`` (written by
 rank 0: timer, schedulers, seed, computed metrics) and one ``rank-RRRRR-of-WWWWW.pt`` per rank (its RNG
-streams and metric accumulators, which job.elastic hands over on another number of ranks).
+streams and metric accumulators, which job.elastic hands over on another number of ranks, and its model
+buffers: own_buffers).
 
 A periodic save is asynchronous like an unsharded one (job.checkpoint; the durable ones, at the end
 and at preemption, take the same steps from the live state, in the training thread): the training
@@ -54,6 +55,7 @@ from job.safe_load import first_line
 from state import State
 
 MODEL, OPTIMIZERS = "model", "optimizers"  # the State entries that DCP saves and reshards
+BUFFERS = "buffers"  # each rank's own model buffers, in its rank file (own_buffers)
 
 
 def rank_file(rank: int, world: int) -> str:
@@ -100,6 +102,37 @@ def tied_groups(model: torch.nn.Module) -> list[list[torch.nn.Module]]:
 
 def _optimizers(state: State) -> dict[str, torch.optim.Optimizer]:
     return {type(opt).__qualname__: opt for opt in state.optimizers}
+
+
+def own_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's persistent buffers (BatchNorm's running statistics...), by state-dict name. FSDP2 shards
+    parameters only and, unlike DDP, never makes the ranks' buffers equal: each rank's are its own state,
+    updated from its own batches. DCP saves one copy of each (they look replicated), and loaded that one
+    into every rank: a resume on as many ranks trained on with other statistics. So each rank also keeps
+    its own in its rank file, put back by :func:`load_own_buffers`."""
+    persistent = model.state_dict().keys()
+    return {name: buf for name, buf in model.named_buffers() if name in persistent}
+
+
+def load_own_buffers(model: torch.nn.Module, saved: Any, source: str) -> None:
+    """Give this rank its own buffers back (own_buffers), over the copy DCP loaded into every rank. Read from
+    a checkpoint, so untrusted: anything but this model's buffers (names, shapes, dtypes) is damage."""
+    own = own_buffers(model)
+    if not isinstance(saved, dict) or saved.keys() != own.keys():
+        names = sorted(saved)[:5] if isinstance(saved, dict) else type(saved).__name__
+        raise CheckpointLoadError(f"checkpoint {source} is damaged: its rank's buffers ({names}) are not this "
+                                  f"model's ({sorted(own)[:5]}); restore a good checkpoint, or start a new run "
+                                  "in another --save-folder/--remote")
+    for name, buf in own.items():
+        value = saved[name]
+        if (not isinstance(value, torch.Tensor) or value.layout != torch.strided or value.shape != buf.shape
+                or value.dtype != buf.dtype):
+            raise CheckpointLoadError(f"checkpoint {source} is damaged: its rank's buffer {name} is not a "
+                                      f"{buf.dtype} tensor of shape {tuple(buf.shape)}; restore a good checkpoint, "
+                                      "or start a new run in another --save-folder/--remote")
+    with torch.no_grad():
+        for name, buf in own.items():
+            buf.copy_(saved[name])
 
 
 def save_tree(state: State) -> dict[str, Any]:

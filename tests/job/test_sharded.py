@@ -129,7 +129,7 @@ def test_a_sharded_checkpoint_loads_into_one_unsharded_process(saved: Path) -> N
     assert tree["optimizers"]["AdamW"]["param_groups"] == expected["param_groups"]
     for index, moments in expected["state"].items():
         assert all(torch.equal(tree["optimizers"]["AdamW"]["state"][index][k], v) for k, v in moments.items())
-    assert len(tree["per_rank"]) == 2 and all(set(p) == {"rng", "train_metrics"} for p in tree["per_rank"])
+    assert len(tree["per_rank"]) == 2 and all(set(p) == {"rng", "train_metrics", "buffers"} for p in tree["per_rank"])
 
     state = build(train_config(batch_size=32, grad_accum=1, seed=11)).state
     handover = for_this_rank(tree, 0, 1, seed=11, step=manifest.step, source=str(folder))
@@ -609,3 +609,43 @@ def test_a_tied_model_trains_sharded_resumes_on_3_ranks_and_keeps_its_tie(tmp_pa
     weights = final_model(folder)
     assert torch.equal(weights["first.weight"], weights["second.weight"])  # one weight, trained as one
     assert_close(weights, final_model(tmp_path / "straight"))
+
+
+# -- per-rank buffers --------------------------------------------------------------------------------
+
+NORM = ["--model", "tests.support.norm_model:build", "--sharded"]
+
+
+def test_each_ranks_own_buffers_resume_with_it_bit_for_bit(tmp_path: Path) -> None:
+    """FSDP2 leaves buffers unsynchronized: each rank's BatchNorm statistics (and the model's running shift)
+    are its own. DCP saved one copy and loaded it into every rank: the resumed run trained other weights."""
+    second, folder, record = straight_then_resumed(tmp_path, 2, 2, *NORM)
+    assert resumed(second) == [(2, 2)] and sorted(trained(record)) == list(range(DATASET))
+    weights, expected = final_model(folder), final_model(tmp_path / "straight")
+    assert all(torch.equal(weights[name], expected[name]) for name in expected), [
+        name for name in expected if not torch.equal(weights[name], expected[name])]
+    ranks = [load_state_file(*open_checkpoint(f))["per_rank"] for f in (folder, tmp_path / "straight")]
+    for mine, theirs in zip(*ranks, strict=True):
+        assert mine["buffers"].keys() == {"shift.mean", "norm.running_mean", "norm.running_var",
+                                          "norm.num_batches_tracked"}
+        assert all(torch.equal(mine["buffers"][k], theirs["buffers"][k]) for k in theirs["buffers"])
+    assert not torch.equal(ranks[0][0]["buffers"]["shift.mean"], ranks[0][1]["buffers"]["shift.mean"])
+
+
+NORM_BUFFERS = {"shift.mean": torch.zeros(2), "norm.running_mean": torch.zeros(2), "norm.running_var": torch.ones(2),
+                "norm.num_batches_tracked": torch.tensor(0)}
+
+
+@pytest.mark.parametrize("saved", [
+    [1, 2], {"shift.mean": torch.zeros(2)}, {**NORM_BUFFERS, "shift.mean": torch.zeros(3)},
+    {**NORM_BUFFERS, "shift.mean": "x"}, {**NORM_BUFFERS, "norm.num_batches_tracked": torch.tensor(0.0)},
+], ids=["not-a-mapping", "missing", "shape", "not-a-tensor", "dtype"])
+def test_a_ranks_buffers_that_are_not_the_models_are_a_damaged_checkpoint_and_change_nothing(saved: Any) -> None:
+    from job.sharded import load_own_buffers, own_buffers
+    from tests.support.norm_model import build
+
+    model = build()
+    before = {k: v.clone() for k, v in own_buffers(model).items()}
+    with pytest.raises(CheckpointLoadError, match="is damaged: its rank's buffer"):
+        load_own_buffers(model, saved, "ck")
+    assert all(torch.equal(v, before[k]) for k, v in own_buffers(model).items())
