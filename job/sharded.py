@@ -53,6 +53,7 @@ from job import dcp_storage
 from job.exceptions import CheckpointLoadError
 from job.safe_load import first_line
 from state import State
+from state.display import brief
 
 MODEL, OPTIMIZERS = "model", "optimizers"  # the State entries that DCP saves and reshards
 BUFFERS = "buffers"  # each rank's own model buffers, in its rank file (own_buffers)
@@ -119,14 +120,14 @@ def load_own_buffers(model: torch.nn.Module, saved: Any, source: str) -> None:
     a checkpoint, so untrusted: anything but this model's buffers (names, shapes, dtypes) is damage."""
     own = own_buffers(model)
     if not isinstance(saved, dict) or saved.keys() != own.keys():
-        names = sorted(saved)[:5] if isinstance(saved, dict) else type(saved).__name__
-        raise CheckpointLoadError(f"checkpoint {source} is damaged: its rank's buffers ({names}) are not this "
-                                  f"model's ({sorted(own)[:5]}); restore a good checkpoint, or start a new run "
-                                  "in another --save-folder/--remote")
+        found = brief(list(saved)[:5], 200) if isinstance(saved, dict) else type(saved).__name__
+        raise CheckpointLoadError(f"checkpoint {source} is damaged: its rank's buffers ({found}) are not this "
+                                  f"model's ({brief(list(own)[:5], 200)}); restore a good checkpoint, or start a "
+                                  "new run in another --save-folder/--remote")
     for name, buf in own.items():
-        value = saved[name]
-        if (not isinstance(value, torch.Tensor) or value.layout != torch.strided or value.shape != buf.shape
-                or value.dtype != buf.dtype):
+        value = saved[name]  # CPU and strided, as a file gives them: a meta or sparse one would fail half-way
+        if (not isinstance(value, torch.Tensor) or value.device.type != "cpu" or value.layout != torch.strided
+                or value.is_quantized or value.shape != buf.shape or value.dtype != buf.dtype):
             raise CheckpointLoadError(f"checkpoint {source} is damaged: its rank's buffer {name} is not a "
                                       f"{buf.dtype} tensor of shape {tuple(buf.shape)}; restore a good checkpoint, "
                                       "or start a new run in another --save-folder/--remote")
