@@ -237,7 +237,7 @@ def merge_metrics(metrics: dict[str, Any], snapshots: list[dict[str, Any]]) -> N
     the epoch's end, and as its ``merge_state`` does; a metric's own ``merge_state`` override is used as it
     is. torchmetrics' default ``merge_state`` refuses every metric with ``full_state_update`` True or unset
     (custom metrics by default, MaxMetric, ...), although that flag is about its ``forward``, not about how
-    states combine; refusing them made a good checkpoint "damaged" on another number of ranks. States
+    states combine; refusing them made a good checkpoint "damaged" on another number of ranks. Tensor states
     without a reduction (Pearson's running moments) or averaged ones ("mean") cannot be combined and then
     updated on: such a metric keeps new rank 0's accumulation only, with a warning; it is what is reported,
     never what is trained.
@@ -275,6 +275,9 @@ def _merges_itself(metric: Metric) -> bool:
 
 
 def _reducible(metric: Metric) -> bool:
-    """Every state has a reduction that combines two states into one of the same kind (not None: stacked; not
-    mean: see REDUCIBLE)."""
-    return not metric.dist_sync_on_step and all(fn in REDUCIBLE for fn in metric._reductions.values())
+    """Every state has a reduction that combines two states into one of the same kind: one of REDUCIBLE (not
+    mean: see there), or none for a list state, which torchmetrics' merge joins as it joins "cat" lists
+    (retrieval metrics, SSIM). None on a tensor state (Pearson's running moments) stacks the two."""
+    return not metric.dist_sync_on_step and all(
+        fn in REDUCIBLE or (fn is None and isinstance(metric._defaults[name], list))
+        for name, fn in metric._reductions.items())

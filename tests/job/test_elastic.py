@@ -218,6 +218,23 @@ def test_a_metric_torchmetrics_will_not_merge_is_merged_by_its_reductions(make: 
     assert torch.equal(ranks[0].compute(), everything.compute()) and ranks[0]._update_count == 3
 
 
+def test_list_states_without_a_reduction_are_joined() -> None:
+    """Retrieval metrics keep their predictions in lists without a reduction: joined, as torchmetrics joins them."""
+    from torchmetrics.retrieval import RetrievalMAP
+
+    from job.elastic import merge_metrics
+    from state.metrics import metric_state
+
+    parts = [(torch.tensor([.9, .1, .8]), torch.tensor([1, 0, 0]), torch.tensor([0, 0, 1])),
+             (torch.tensor([.2, .7, .3]), torch.tensor([1, 0, 1]), torch.tensor([2, 2, 3]))]
+    ranks, everything = [RetrievalMAP() for _ in parts], RetrievalMAP()
+    for metric, part in zip(ranks, parts):
+        metric.update(*part)
+        everything.update(*part)
+    merge_metrics({"map": ranks[0]}, [{"map": metric_state(ranks[1])}])
+    assert torch.equal(ranks[0].compute(), everything.compute()) and ranks[0]._update_count == 2
+
+
 class Averaged(torchmetrics.Metric):
     """A state reduced by "mean": torchmetrics' merge weighs it as one forward step, not as another rank."""
 
