@@ -79,10 +79,12 @@ class CheckpointCadence:
     _clock: float = field(default_factory=time.monotonic)
 
     def due(self, state: State, epoch_ended: bool) -> bool:
-        discarded = self.checkpointer.take_discarded()
-        if discarded is not None and discarded == self.last_step:  # stale, never to be committed: taken again now
-            self.last_step, self._owed = self._previous_step, True
         return self._owed or self.cfg.interval.due(state.timer, epoch_ended, time.monotonic() - self._clock)
+
+    def retake(self) -> None:
+        """The last snapshot was found stale and discarded (job.checkpoint's take_discarded, on rank 0; every
+        rank calls this alike): it never lands, so it is not the last one taken, and one is owed now."""
+        self.last_step, self._owed = self._previous_step, True
 
     def take(self, state: State) -> None:
         """A snapshot now, written in the background; stays owed while the previous write is in flight."""
@@ -304,12 +306,17 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
             if spot_handler is not None:
                 checkpoint_now = spot_handler.poll(state) or checkpoint_now
             failure = _failure_of(store.check) if store is not None else None
-            # One collective per step under torchrun: any rank's signal, due checkpoint or failed upload counts
-            # for all (the uploading ranks' failure reaches the others with its exit code, not as a hang).
-            checkpoint_now, stopping, failed = distributed.agree(checkpoint_now, stop.should_stop(state),
-                                                                 failure is not None)
+            stale = checkpointer.take_discarded() is not None
+            # One collective per step under torchrun: any rank's signal, due checkpoint, failed upload or stale
+            # snapshot counts for all (the uploading ranks' failure reaches the others with its exit code, not as
+            # a hang; rank 0's discarded snapshot is retaken by every rank's cadence alike).
+            checkpoint_now, stopping, failed, stale = distributed.agree(checkpoint_now, stop.should_stop(state),
+                                                                        failure is not None, stale)
             if failed:
                 distributed.raise_together(failure, "upload its checkpoints")
+            if stale:
+                cadence.retake()
+                checkpoint_now = True
             if stopping:  # at this step on every rank, once: the ledger and the events learn why
                 _stop_everywhere(stop)
             if checkpoint_now:

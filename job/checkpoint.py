@@ -431,8 +431,9 @@ class Checkpointer:
                 return False
             self._reserving = None
         if self._writer is not None:
-            if self._deferred is not None:  # nothing wrote the sources since before_update: its verdict now
-                self._deferred.block_writes()
+            if self._deferred is not None:
+                # Its verdict now, copies done or not: a caller of wait or close writes no source before the writer
+                # is done (it joins it, or it is stopping and leaves a timed-out write to finish on its own).
                 self._settle()
             self._writer.join(timeout)
             if self._writer.is_alive():
@@ -470,6 +471,8 @@ class Checkpointer:
             _yield_cpu_to_training()  # the copy too: before_update takes over what is left of it
             if not deferred.run():
                 return  # a copy failed in the training thread and was raised there: nothing whole to write
+            if deferred.found_stale():
+                return  # discarded before a byte is written (the training thread settled it already)
             if ready is not None:
                 ready.synchronize()
             self._write(tree, step, timer, settled=deferred.wait_settled)
@@ -485,9 +488,13 @@ class Checkpointer:
         try:
             staging = local.staging_dir(self.folder, step)
             manifest = Manifest(step=step, files=(_write_file(staging / STATE_FILE, tree),), timer=timer, meta=self.meta)
-            if settled is not None and not settled():
-                shutil.rmtree(staging, ignore_errors=True)
-                return None
+            if settled is not None:
+                waited = time.perf_counter()
+                fresh = settled()
+                started += time.perf_counter() - waited  # the wait for the next step is no part of the write
+                if not fresh:
+                    shutil.rmtree(staging, ignore_errors=True)
+                    return None
             return self._commit(staging, manifest, started)
         except OSError as e:
             if staging is not None:

@@ -143,6 +143,10 @@ class Deferred:
             self._settled.set()
         return self._written
 
+    def found_stale(self) -> bool:
+        """Settled already, and stale: the writer need not write it at all."""
+        return self._settled.is_set() and bool(self._written)
+
     def wait_settled(self) -> bool:
         """In the writer's thread, before its commit: True once the training thread has found the sources
         unwritten since the capture; False where one was written (the snapshot must be discarded)."""

@@ -587,3 +587,30 @@ def _tensors(tree: Any) -> list[tuple[str, bytes]]:
         return [("", tree.numpy().tobytes())]
     items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, (list, tuple)) else []
     return [(f"{k}/{p}", b) for k, v in items for p, b in _tensors(v)]
+
+
+def test_a_writes_seconds_leave_out_its_wait_for_the_next_step(run, tmp_path, monkeypatch):
+    """The writer waits for the next step's verdict before it commits (job.snapshot). Counted as writing, a slow
+    step made the write look as long as the step, and a stop then found no time for its final checkpoint."""
+    class Clock:  # job.checkpoint's perf_counter, moved by the test alone
+        now = 1000.0
+
+        def perf_counter(self) -> float:
+            return self.now
+
+    clock, waiting, real_wait = Clock(), threading.Event(), snapshot.Deferred.wait_settled
+
+    def wait_settled(self):
+        waiting.set()
+        return real_wait(self)
+
+    monkeypatch.setattr("job.checkpoint.time", clock)
+    monkeypatch.setattr(snapshot.Deferred, "wait_settled", wait_settled)
+    _after_one_step(run)
+    ckpt = Checkpointer(tmp_path, keep=3, meta={})
+    assert ckpt.save_async(run.state)
+    assert waiting.wait(30)  # written, waiting for the verdict
+    clock.now += 100.0  # the next step's forward and backward
+    ckpt.before_update()
+    assert ckpt.wait(30) and local.list_committed(tmp_path)
+    assert ckpt.last_write_seconds == 0.0
