@@ -134,9 +134,10 @@ class Deferred:
         return not self._failed
 
     def settle(self) -> list[Path_]:
-        """In the training thread, once its copies are done (``done``) and before anything writes the sources
-        on purpose: the deferred tensors written in place since the capture (their copy may hold the write).
-        Empty: the snapshot is the state at the capture, and its writer may commit it."""
+        """In the training thread, where nothing writes the sources before the copies are over: right before the
+        optimizer step, its copies done; or in a wait that joins the writer. The deferred tensors written in
+        place since the capture (their copy may hold the write); empty: the snapshot is the state at the
+        capture, and its writer may commit it."""
         if not self._settled.is_set():
             self._written = [path for path, src, version in self._versions if src._version != version]
             self._versions = []  # the sources are not held past this step
