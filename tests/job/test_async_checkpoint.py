@@ -278,6 +278,20 @@ def _after_one_step(run, before_update: Callable[[], None] = lambda: None) -> tu
     return trainer, batches
 
 
+def _watched_trainer(run, ckpt: Checkpointer) -> tuple[Trainer, Any, threading.Event]:
+    """:func:`_after_one_step` with ``ckpt.before_update`` before each optimizer step, and an event set (cleared
+    until the next step) as one is reached."""
+    reached = threading.Event()
+
+    def before_update() -> None:
+        reached.set()
+        ckpt.before_update()
+
+    trainer, batches = _after_one_step(run, before_update)
+    reached.clear()
+    return trainer, batches, reached
+
+
 def _assert_saved_is(folder, model: dict, optimizer: dict, state: State) -> None:
     """The newest checkpoint in ``folder`` holds exactly these parameters and optimizer state."""
     saved = load_state_file(local.list_committed(folder)[-1].path)
@@ -295,13 +309,7 @@ def test_the_next_forward_and_backward_run_while_the_parameters_are_copied_and_t
     copying, release = held_copy
     state = run.state
     ckpt = Checkpointer(tmp_path, keep=3, meta={})
-    reached_update = threading.Event()
-
-    def before_update():
-        reached_update.set()
-        ckpt.before_update()
-
-    trainer, batches = _after_one_step(run, before_update)
+    trainer, batches, reached_update = _watched_trainer(run, ckpt)
     forwards = []
     state.model.register_forward_hook(lambda module, args, out: forwards.append(out.detach().clone()))
     model_at_1, optimizer_at_1 = {k: v.clone() for k, v in state.model.state_dict().items()}, _optimizer_state(state)
@@ -514,14 +522,7 @@ def test_a_snapshot_whose_parameter_the_next_forward_wrote_is_discarded_and_take
     run = build(train_config(model="tests.support.renorm_model:build"))
     state = run.state
     ckpt = Checkpointer(tmp_path, keep=3, meta={})
-    reached_update = threading.Event()
-
-    def before_update():
-        reached_update.set()
-        ckpt.before_update()
-
-    trainer, batches = _after_one_step(run, before_update)
-    reached_update.clear()
+    trainer, batches, reached_update = _watched_trainer(run, ckpt)
     assert ckpt.save_async(state) is True  # step 1's, its writer held in its first copy
     assert copying.wait(30)
     step_2 = threading.Thread(target=trainer.train_step, args=(to_device(next(batches), run.device),))
