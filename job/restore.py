@@ -20,7 +20,7 @@ import torch
 
 from job.exceptions import CheckpointLoadError
 from job.loop import unwrap
-from job.sharded import BUFFERS, load_own_buffers
+from job.sharded import BUFFERS, own_buffers
 from state import SEED_LIMIT, State
 from state.display import brief, clip
 from state.exceptions import StateError
@@ -65,7 +65,7 @@ def restore(state: State, tree: Mapping[Any, Any], source: str, step: int, timer
     try:
         state.load_state_dict(tree, strict=True)
         if buffers is not None:
-            load_own_buffers(unwrap(state.model), buffers, source)
+            _load_own_buffers(unwrap(state.model), buffers, source)
         if then is not None:
             then(state.train_metrics)
     except CONTENT_ERRORS as e:
@@ -83,6 +83,25 @@ def restore(state: State, tree: Mapping[Any, Any], source: str, step: int, timer
             "as it does when step after step overflows (a run that diverged), and from 0 every step overflows "
             "again; move it and any newer checkpoints out of --save-folder and --remote, and resume an earlier "
             "one with a lower --lr (with the same flags the same steps overflow again)")
+
+
+def _load_own_buffers(model: torch.nn.Module, saved: Any, source: str) -> None:
+    """Give this rank its own buffers back (own_buffers), over the copy DCP loaded into every rank. Read from
+    a checkpoint, so untrusted: anything but this model's buffers (names, shapes, dtypes) is damage."""
+    own = own_buffers(model)
+    if not isinstance(saved, dict) or saved.keys() != own.keys():
+        found = brief(list(saved)[:5], 200) if isinstance(saved, dict) else type(saved).__name__
+        raise CheckpointLoadError(f"checkpoint {source} is damaged: its rank's buffers ({found}) are not this "
+                                  f"model's ({brief(list(own)[:5], 200)}); {ADVICE}")
+    for name, buf in own.items():
+        value = saved[name]  # CPU and strided, as a file gives them: a meta or sparse one would fail half-way
+        if (not isinstance(value, torch.Tensor) or value.device.type != "cpu" or value.layout != torch.strided
+                or value.is_quantized or value.shape != buf.shape or value.dtype != buf.dtype):
+            raise CheckpointLoadError(f"checkpoint {source} is damaged: its rank's buffer {name} is not a "
+                                      f"{buf.dtype} tensor of shape {tuple(buf.shape)}; {ADVICE}")
+    with torch.no_grad():
+        for name, buf in own.items():
+            buf.copy_(saved[name])
 
 
 def _optimizers_absent(state: State, saved: Any) -> str | None:

@@ -53,7 +53,6 @@ from job import dcp_storage
 from job.exceptions import CheckpointLoadError
 from job.safe_load import first_line
 from state import State
-from state.display import brief
 
 MODEL, OPTIMIZERS = "model", "optimizers"  # the State entries that DCP saves and reshards
 BUFFERS = "buffers"  # each rank's own model buffers, in its rank file (own_buffers)
@@ -110,30 +109,9 @@ def own_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     parameters only and, unlike DDP, never makes the ranks' buffers equal: each rank's are its own state,
     updated from its own batches. DCP saves one copy of each (they look replicated), and loaded that one
     into every rank: a resume on as many ranks trained on with other statistics. So each rank also keeps
-    its own in its rank file, put back by :func:`load_own_buffers`."""
+    its own in its rank file, put back by job.restore."""
     persistent = model.state_dict().keys()
     return {name: buf for name, buf in model.named_buffers() if name in persistent}
-
-
-def load_own_buffers(model: torch.nn.Module, saved: Any, source: str) -> None:
-    """Give this rank its own buffers back (own_buffers), over the copy DCP loaded into every rank. Read from
-    a checkpoint, so untrusted: anything but this model's buffers (names, shapes, dtypes) is damage."""
-    own = own_buffers(model)
-    if not isinstance(saved, dict) or saved.keys() != own.keys():
-        found = brief(list(saved)[:5], 200) if isinstance(saved, dict) else type(saved).__name__
-        raise CheckpointLoadError(f"checkpoint {source} is damaged: its rank's buffers ({found}) are not this "
-                                  f"model's ({brief(list(own)[:5], 200)}); restore a good checkpoint, or start a "
-                                  "new run in another --save-folder/--remote")
-    for name, buf in own.items():
-        value = saved[name]  # CPU and strided, as a file gives them: a meta or sparse one would fail half-way
-        if (not isinstance(value, torch.Tensor) or value.device.type != "cpu" or value.layout != torch.strided
-                or value.is_quantized or value.shape != buf.shape or value.dtype != buf.dtype):
-            raise CheckpointLoadError(f"checkpoint {source} is damaged: its rank's buffer {name} is not a "
-                                      f"{buf.dtype} tensor of shape {tuple(buf.shape)}; restore a good checkpoint, "
-                                      "or start a new run in another --save-folder/--remote")
-    with torch.no_grad():
-        for name, buf in own.items():
-            buf.copy_(saved[name])
 
 
 def save_tree(state: State) -> dict[str, Any]:
