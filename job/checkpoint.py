@@ -264,7 +264,7 @@ class Checkpointer:
         tree = state.state_dict()
         own = {k: tree[k] for k in distributed.PER_RANK_KEYS if k in tree}
         if world > 1:
-            own[sharded.BUFFERS] = sharded.own_buffers(state.model)
+            own[sharded.BUFFERS] = sharded.own_buffers(state.model, tree[sharded.MODEL])
         files: dict[str, Any] = {sharded.rank_file(rank, world): own}
         if rank == 0:
             files[REPLICATED_FILE] = {k: v for k, v in tree.items()

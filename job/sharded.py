@@ -31,7 +31,7 @@ node or a shared volume; on nodes with disks of their own, what its node downloa
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -104,13 +104,14 @@ def _optimizers(state: State) -> dict[str, torch.optim.Optimizer]:
     return {type(opt).__qualname__: opt for opt in state.optimizers}
 
 
-def own_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def own_buffers(model: torch.nn.Module, state_dict: Mapping[str, Any] | None = None) -> dict[str, torch.Tensor]:
     """This rank's persistent buffers (BatchNorm's running statistics...), by state-dict name. FSDP2 shards
     parameters only and, unlike DDP, never makes the ranks' buffers equal: each rank's are its own state,
     updated from its own batches. DCP saves one copy of each (they look replicated), and loaded that one
     into every rank: a resume on as many ranks trained on with other statistics. So each rank also keeps
-    its own in its rank file, put back by job.restore."""
-    persistent = model.state_dict().keys()
+    its own in its rank file, put back by job.restore. ``state_dict``: the model's, where the caller has it
+    already (a save): its names say which buffers are persistent."""
+    persistent = (model.state_dict() if state_dict is None else state_dict).keys()
     return {name: buf for name, buf in model.named_buffers() if name in persistent}
 
 
