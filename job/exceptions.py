@@ -52,6 +52,11 @@ class OtherRankError(JobError):
         self.exit_code = exit_code
 
 
+class BadRecord(ValueError):
+    """A ledger record (job.ledger) that is malformed or out of range. Never fatal and never a JobError:
+    ``job report`` skips the record and names the reason (job.goodput)."""
+
+
 def exit_code_for(error: BaseException) -> int:
     """The documented exit code the CLI gives ``error`` (job.cli.run), for records kept before it exits."""
     from state import PrecisionError

@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from job.exceptions import BadRecord
 from uploader.remote import Remote
 from uploader.runlog import LEDGER_DIR, MAX_LEDGER_ENTRY
 
@@ -32,10 +33,6 @@ _ENDS = ("finished", "preempted", "failed")
 _MAX_CHECKPOINTS = 100_000  # a week at one a second: more is not a record of ours
 CATEGORIES = ("productive", "startup", "restore", "checkpoint_stall", "preemption_save", "lost_progress",
               "scheduling", "unaccounted")
-
-
-class BadRecord(ValueError):
-    pass
 
 
 @dataclass(frozen=True)

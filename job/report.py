@@ -13,7 +13,8 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-from job.goodput import CATEGORIES, BadRecord, Life, LifeCost, costs, parse_life, summary
+from job.exceptions import BadRecord
+from job.goodput import CATEGORIES, Life, LifeCost, costs, parse_life, summary
 from uploader.remote import Remote
 from uploader.runlog import read_ledger
 

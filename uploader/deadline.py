@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from uploader.exceptions import Aborted, LocalWriteError
+from uploader.exceptions import Aborted, DeadlineExceeded, LocalWriteError
 
 logger = logging.getLogger(__name__)
 
@@ -46,11 +46,6 @@ T = TypeVar("T")
 # How often sockets of an attempt past its deadline are shut again, until the attempt ends: a
 # connection that was still connecting at the deadline gets its socket afterwards.
 RESWEEP = 0.1
-
-
-class DeadlineExceeded(TimeoutError):
-    """An attempt ran past its wall-clock deadline and its connection was cut (transient: a
-    TimeoutError; the retry layer then stops because the deadline is its budget's end)."""
 
 
 class _Attempt:

@@ -108,3 +108,9 @@ class BadSettings(UploaderError):
 
 class Aborted(UploaderError):
     """A transfer was stopped on request (grace period over, uploader closed); the remote is unchanged."""
+
+
+class DeadlineExceeded(TimeoutError):
+    """An attempt ran past its wall-clock deadline and its connection was cut (uploader.deadline). A
+    TimeoutError, not an UploaderError: it is transient, and the retry layer (uploader.retry) then stops
+    because the deadline is its budget's end; what reaches a caller is the error that retry layer raises."""

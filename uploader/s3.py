@@ -48,7 +48,7 @@ from botocore.config import Config
 from tenacity import RetryError
 
 from uploader.config import MAX_PART_SIZE, MAX_PARTS, KiB, MiB, UploadConfig
-from uploader.deadline import DeadlineExceeded, bounded, track
+from uploader.deadline import bounded, track
 from uploader.destination import Destination
 from uploader.exceptions import (
     Aborted,
@@ -56,6 +56,7 @@ from uploader.exceptions import (
     BadSettings,
     BucketNotFound,
     CorruptCheckpoint,
+    DeadlineExceeded,
     StorageError,
     TransientStorageError,
     UploaderError,

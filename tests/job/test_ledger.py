@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from job.goodput import BadRecord, costs, parse_life, summary
+from job.exceptions import BadRecord
+from job.goodput import costs, parse_life, summary
 from tests.support.jobs import events, run_job, s3_job_env
 from tests.support.s3server import READER, fast_config
 from tests.support.tensorboard import read_scalars, steps

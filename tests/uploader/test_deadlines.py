@@ -19,8 +19,8 @@ from tests.support.faultproxy import FaultProxy
 from tests.support.polling import outcome_within, wait_until
 from tests.support.s3server import Bucket, fast_config
 from tests.support.uploader_cli import cli_env, run_cli
-from uploader.deadline import DeadlineExceeded, Watchdog, bounded, track
-from uploader.exceptions import Aborted, LocalWriteError, TransientStorageError
+from uploader.deadline import Watchdog, bounded, track
+from uploader.exceptions import Aborted, DeadlineExceeded, LocalWriteError, TransientStorageError
 from uploader.layout import data_key
 from uploader.remote import Remote, open_remote
 from uploader.sync import push
