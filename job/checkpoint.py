@@ -728,7 +728,7 @@ def _load(path: Path) -> dict[str, Any]:
     """``mmap=True``: tensors map the file's pages (already in the page cache after a write or a pull)
     instead of being read into fresh memory; load_state_dict then copies each once into the model.
     Committed files are never modified in place (only deleted), so the mapping stays valid."""
-    loaded = load_weights_only(path, str(path), mmap=True)
+    loaded = load_weights_only(path, f"checkpoint file {path}", mmap=True)
     if not isinstance(loaded, dict):
         raise CheckpointLoadError(f"{path} does not hold a state dict")
     return loaded

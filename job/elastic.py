@@ -25,8 +25,7 @@ from torchmetrics.utilities.data import dim_zero_cat, dim_zero_max, dim_zero_min
 from job import distributed
 from job.build import Run, batch_too_large, total_batches
 from job.config import TrainConfig
-from job.exceptions import CheckpointLoadError, ConfigError
-from job.restore import ADVICE
+from job.exceptions import ADVICE, CheckpointLoadError, ConfigError
 from state import SEED_LIMIT
 from state.display import brief
 from state.metrics import load_metric_state

@@ -25,6 +25,11 @@ EXIT_WRITE_FAILED = 7
 EXIT_PREEMPTED = 75
 
 
+# What to do about a checkpoint that verifies byte for byte but whose content is damaged or hostile: the end
+# of every message that refuses one (job.safe_load, job.restore, job.elastic).
+ADVICE = "restore a good checkpoint, or start a new run in another --save-folder/--remote"
+
+
 class JobError(Exception):
     """An error with a one-line message for the user and an exit code."""
 

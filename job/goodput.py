@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from job.exceptions import BadRecord
+from uploader.manifest import finite_number
 from uploader.remote import Remote
 from uploader.runlog import LEDGER_DIR, MAX_LEDGER_ENTRY
 
@@ -234,14 +234,8 @@ def _count(doc: dict[str, Any], key: str) -> int:
     return value
 
 
-def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return None
-    return float(value)
-
-
 def _time(doc: dict[str, Any], key: str) -> float:
-    value = _number(doc.get(key))
+    value = finite_number(doc.get(key))
     if value is None or not 1e9 <= value <= 1e10:  # 2001 to 2286: anything else is not a Unix time of ours
         raise BadRecord(f"{key} is not a Unix time")
     return value
@@ -254,7 +248,7 @@ def _time_or_none(doc: dict[str, Any], key: str) -> float | None:
 def _seconds(doc: dict[str, Any], key: str) -> float | None:
     if doc.get(key) is None:
         return None
-    value = _number(doc.get(key))
+    value = finite_number(doc.get(key))
     if value is None or not 0 <= value <= 1e7:
         raise BadRecord(f"{key} is not a duration in seconds")
     return value

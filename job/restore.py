@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from job.exceptions import CheckpointLoadError
+from job.exceptions import ADVICE, CheckpointLoadError
 from job.loop import unwrap
 from job.sharded import BUFFERS, own_buffers
 from state import SEED_LIMIT, State
@@ -29,7 +29,6 @@ from state.exceptions import StateError
 REQUIRED = ("model", "optimizers", "timer", "rng")
 # What State.load_state_dict, and the optimizers, schedulers and metrics it drives, raise on content they cannot take.
 CONTENT_ERRORS = (StateError, KeyError, RuntimeError, ValueError, TypeError, AttributeError, IndexError, OverflowError)
-ADVICE = "restore a good checkpoint, or start a new run in another --save-folder/--remote"
 
 
 @dataclass(frozen=True)
@@ -131,9 +130,11 @@ def _plain_problem(state: State) -> str | None:
     seed = state.rank_zero_seed
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT:
         return f"its rank_zero_seed is {brief(seed, 40)}, not a seed"
-    found = state.current_metrics  # logged as numbers at each evaluation and at the end
-    if not isinstance(found, Mapping) or not all(isinstance(v, Mapping) and all(map(_is_number, v.values()))
-                                                 for v in found.values()):
+    found = state.current_metrics  # logged as numbers at each evaluation and at the end, and saved again
+    if not isinstance(found, Mapping) or not all(
+            isinstance(label, str) and isinstance(values, Mapping)
+            and all(isinstance(name, str) and _is_number(v) and _floats(v) for name, v in values.items())
+            for label, values in found.items()):
         return "its current_metrics are not a mapping of metric values"
     return None
 
@@ -393,10 +394,22 @@ def _length(value: Any) -> int | None:
 
 
 def _is_number(value: Any) -> bool:
-    """One real number: an int or float (not a bool), or a tensor of one real element (not a bool either)."""
+    """One real number: an int or float (not a bool), or a dense tensor of one real element with data (not a
+    bool either). job.safe_load refuses meta tensors already; ``float()`` of one failed past every check."""
     if isinstance(value, torch.Tensor):
-        return value.numel() == 1 and not value.is_complex() and value.dtype != torch.bool
+        return (value.numel() == 1 and value.layout == torch.strided and not value.is_meta
+                and not value.is_complex() and value.dtype != torch.bool)
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _floats(value: Any) -> bool:
+    """Whether ``float()`` takes a number (NaN and inf included: a metric may be either): an int past a
+    float's range (10**400) overflows."""
+    try:
+        float(value)
+    except OverflowError:
+        return False
+    return True
 
 
 def _finite(value: Any) -> bool:

@@ -24,7 +24,7 @@ from typing import IO, Any
 
 import torch
 
-from job.exceptions import CheckpointLoadError
+from job.exceptions import ADVICE, CheckpointLoadError
 from state.display import clip
 
 
@@ -63,13 +63,15 @@ def check_unfolded(tree: Any, what: str) -> None:
     open_now: set[int] = set()
 
     def places(value: Any) -> int:
+        if isinstance(value, torch.Tensor):
+            _check_tensor(value, what)
         if not isinstance(value, (dict, list, tuple, set, frozenset)):
             return 1
         key = id(value)
         if key in counted:
             return counted[key]
         if key in open_now:
-            raise CheckpointLoadError(f"{what} is damaged or hostile: a container in it holds itself")
+            raise CheckpointLoadError(f"{what} is damaged or hostile: a container in it holds itself; {ADVICE}")
         open_now.add(key)
         total = 1
         # A dict's keys and values, never its items: each items() pair is a new tuple, and an id is only
@@ -78,7 +80,7 @@ def check_unfolded(tree: Any, what: str) -> None:
             total += places(item)
             if total > MAX_PLACES:
                 raise CheckpointLoadError(f"{what} is damaged or hostile: its objects, counted once per place they "
-                                          f"are shared into, number more than {MAX_PLACES:,}")
+                                          f"are shared into, number more than {MAX_PLACES:,}; {ADVICE}")
         open_now.discard(key)
         counted[key] = total
         return total
@@ -87,7 +89,25 @@ def check_unfolded(tree: Any, what: str) -> None:
         places(tree)
     except RecursionError:
         raise CheckpointLoadError(f"{what} is damaged or hostile: it nests containers deeper than "
-                                  f"{sys.getrecursionlimit()} levels") from None
+                                  f"{sys.getrecursionlimit()} levels; {ADVICE}") from None
+
+
+def _check_tensor(tensor: torch.Tensor, what: str) -> None:
+    """A CheckpointLoadError for a tensor no torch.save of real state writes: one on the meta device holds no
+    data (a resume took it through every check as a number, then failed at its first use), and one that
+    views more elements than its storage holds (a stride of 0: ``zeros(1).expand(2**29)``, 1.5 KB on disk)
+    allocates them all once anything copies it (4.5 GB for ``job inspect``, a checkpoint of 2 GB written
+    at each save). Neither can be a module's state: load_state_dict cannot copy into either."""
+    if tensor.is_meta:
+        raise CheckpointLoadError(f"{what} is damaged or hostile: it holds a tensor on the meta device, "
+                                  f"which has no data; {ADVICE}")
+    if tensor.layout == torch.strided:
+        stored = tensor.untyped_storage().nbytes()
+        if tensor.numel() * tensor.element_size() > stored:
+            raise CheckpointLoadError(
+                f"{what} is damaged or hostile: a tensor of shape {tuple(tensor.shape)} views {stored:,} bytes "
+                f"that hold fewer than its {tensor.numel():,} elements (an expanded view; torch.save of a "
+                f"module's state never writes one); {ADVICE}")
 
 
 def check_stored(source: Path | IO[bytes], what: str) -> None:
@@ -115,7 +135,7 @@ def check_stored(source: Path | IO[bytes], what: str) -> None:
             raise CheckpointLoadError(
                 f"refusing to load {what}: its record {clip(repr(info.filename), 80)} is compressed or runs past "
                 "its end (torch.save stores every record as is, and a compressed one could unpack to far more "
-                "memory than the checkpoint's bytes): the checkpoint is damaged or hostile")
+                f"memory than the checkpoint's bytes): the checkpoint is damaged or hostile; {ADVICE}")
 
 
 def unpickler_reason(e: pickle.UnpicklingError) -> str:

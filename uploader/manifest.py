@@ -184,15 +184,15 @@ class Manifest:
         timer = doc.get("timer", {})
         if not isinstance(timer, dict):
             raise ManifestError("manifest's timer is not an object")
-        created = doc.get("created", 0.0)
-        if isinstance(created, bool) or not isinstance(created, (int, float)) or not math.isfinite(created):
-            raise ManifestError(f"manifest's created is not a number: {_short(created)}")
+        created = finite_number(doc.get("created", 0.0))
+        if created is None:
+            raise ManifestError(f"manifest's created is not a number: {_short(doc.get('created'))}")
         manifest = cls(
             step=_integer(doc["step"], "step", 0, MAX_STEP),
             files=files,
             timer={_key(k): _integer(v, f"timer.{_key(k)}", -_INT64, _INT64 - 1) for k, v in timer.items()},
             meta=meta,
-            created=float(created),
+            created=created,
             format_version=version,
         )
         _check_layout(manifest)
@@ -324,6 +324,19 @@ def _nested_beyond(data: bytes, depth: int) -> bool:
             return False
         brackets = _EMPTY_PAIR_RE.sub(b"", brackets)
     return _EMPTY_PAIR_RE.search(brackets) is not None  # else unbalanced: json.loads says what is wrong
+
+
+def finite_number(value: Any) -> float | None:
+    """A JSON number as a finite float; None for anything else. JSON's integers have no bound: 10**400
+    raised OverflowError in math.isfinite (a traceback, exit 1, for a damaged manifest; ``job report`` for a
+    ledger record)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
 
 
 def _finite_float(text: str) -> float:

@@ -143,11 +143,12 @@ def test_goodput_splits_the_wall_clock_into_its_categories() -> None:
     json.dumps(life_record(life="../../etc/passwd")).encode(),
     json.dumps(life_record(last_step=-5)).encode(),
     json.dumps(life_record(started=float("1e300"))).encode(),
+    json.dumps(life_record(started=10 ** 400)).encode(),  # float() overflows: a traceback in job report before
     json.dumps(life_record(checkpoints=[{"step": 1, "at": 1_796_000_001.0, "stall_s": "1; rm -rf /"}])).encode(),
     json.dumps(life_record(end={"how": "exploded", "at": 1_796_000_085.0, "exit_code": 1})).encode(),
     json.dumps(life_record(last_seen=1_700_000_000.0)).encode(),
     b'{"format_version": 1, "kind": "spot-trainer-life", "life": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
-], ids=["pickle", "list", "kind", "format", "life-id", "negative", "time", "stall", "end", "backwards", "deep"])
+], ids=["pickle", "list", "kind", "format", "life-id", "negative", "time", "huge-int", "stall", "end", "backwards", "deep"])
 def test_a_malformed_or_hostile_record_is_refused_with_a_reason(raw: bytes) -> None:
     with pytest.raises(BadRecord):
         parse_life(raw)

@@ -30,6 +30,7 @@ from tests.support.users import NOBODY, as_nobody
 from uploader import local
 
 Edit = Callable[[dict[str, Any]], Any]
+META = torch.empty((), device="meta")  # a tensor without data: job.safe_load refuses it on sight
 
 
 @pytest.fixture(scope="module")
@@ -150,6 +151,17 @@ DAMAGED_STATES = {
     "current metrics that are a number": (_set("current_metrics", 5), "current_metrics are not a mapping"),
     "a current metric that is a string": (_set("current_metrics", {"train": {"accuracy": "x"}}),
                                           "current_metrics are not a mapping of metric values"),
+    # Review (27th session): each resumed, saved the damage again, then failed at its first evaluation (exit 1)
+    "a current metric of 10**400": (_set("current_metrics", {"eval": {"accuracy": 10 ** 400}}),
+                                    "current_metrics are not a mapping of metric values"),
+    "a current metric that is a meta tensor": (_set("current_metrics", {"eval": {"accuracy": META}}),
+                                               "holds a tensor on the meta device"),
+    "a current metric named by a tuple": (_set("current_metrics", {"eval": {(1, 2): 0.5}}),
+                                          "current_metrics are not a mapping of metric values"),
+    # ... and this one trained on, writing 4 MB more in every checkpoint (8 GB at 2**31 elements)
+    "a train metric accumulator expanded to 2**20 elements": (
+        _set("train_metrics.accuracy.states.tp", torch.zeros(1, dtype=torch.long).expand(2 ** 20)),
+        "views 8 bytes that hold fewer than its 1,048,576 elements"),
     "a seed of 'x'": (_set("rank_zero_seed", "x"), "its rank_zero_seed is 'x', not a seed"),
     "a seed of 2**80": (_set("rank_zero_seed", 2 ** 80), "its rank_zero_seed is 1208925819614629174706176"),
     "an integer model key": (lambda tree: tree["model"].__setitem__(7, torch.zeros(2)), "damaged"),
@@ -379,6 +391,15 @@ def _resume_with_a_file_it_may_not_read(good: Path, tmp_path: Path, step: int, u
 def test_inspect_calls_a_malformed_model_entry_damaged(good: Path, tmp_path: Path, model: Any) -> None:
     folder = damaged_copy(good, tmp_path, state=_set("model", model))
     with pytest.raises(CheckpointLoadError, match="its model entry .* it is damaged"):
+        describe(*open_checkpoint(folder / local.checkpoint_name(4)))
+
+
+@pytest.mark.parametrize("model", [{"w": torch.zeros(1).expand(2 ** 20)}, {"w": META}], ids=["expanded", "meta"])
+def test_inspect_refuses_a_model_tensor_no_save_writes(good: Path, tmp_path: Path, model: Any) -> None:
+    """An expanded view made ``job inspect`` allocate every element it views (4.5 GB from a 1.5 KB file at
+    2**29 elements, in review) to hash the model."""
+    folder = damaged_copy(good, tmp_path, state=_set("model", model))
+    with pytest.raises(CheckpointLoadError, match=r"state\.pt is damaged or hostile: (a tensor of shape|it holds)"):
         describe(*open_checkpoint(folder / local.checkpoint_name(4)))
 
 

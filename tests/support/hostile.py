@@ -37,7 +37,10 @@ PICKLE_ONLY: dict[str, Any] = {"a list shared 60 levels deep": _shared_deep(60),
 HOSTILE: dict[str, Any] = {
     "None": None, "'x'": "x", "-1": -1, "2**70": 2 ** 70, "nan": float("nan"), "{}": {}, "True": True,
     "an empty tensor": torch.zeros(0), "a 3x3 tensor": torch.zeros(3, 3), "tensor(True)": torch.tensor(True),
-    "deleted": DELETED, **PICKLE_ONLY,
+    "deleted": DELETED, "10**400": 10 ** 400,  # JSON reads it as an int; float() of it overflows
+    # What no torch.save of real state writes: no data at all; 2**20 elements on 4 bytes (a stride of 0)
+    "a meta tensor": torch.empty((), device="meta"), "an expanded tensor": torch.zeros(1).expand(2 ** 20),
+    **PICKLE_ONLY,
 }
 # What a JSON file can hold in place of an entry (its NaN is refused as JSON, before any field is read).
 IN_JSON: dict[str, Any] = {**{name: value for name, value in HOSTILE.items()
