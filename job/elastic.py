@@ -106,6 +106,9 @@ def resumed_plan(meta: dict[str, Any], cfg: TrainConfig, world: int, source: str
         return replace(flags, written_on=old_world)  # a checkpoint without these settings: the flags decide
     if global_batch < 1 or micro < 1:
         return replace(flags, written_on=old_world)
+    if micro > global_batch:  # a device's micro-batch is part of one rank's share: 2**70 ran the share at once
+        raise CheckpointLoadError(f"{flags.checkpoint} is damaged: its manifest records micro_batch {micro}, more "
+                                  f"than its global_batch of {global_batch} samples; {ADVICE}")
     if global_batch % world:
         works = [n for n in range(1, min(global_batch, 1024) + 1) if global_batch % n == 0]
         raise ConfigError(

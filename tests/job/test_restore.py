@@ -276,11 +276,13 @@ def _past_the_epoch(doc: dict[str, Any]) -> None:
     (None, lambda doc: doc["meta"].update(global_batch=64.5), "is damaged: its manifest records global_batch 64.5"),
     (None, lambda doc: doc["meta"].update(micro_batch=0), "is damaged: its manifest records micro_batch 0, not a"),
     (None, lambda doc: doc["meta"].update(micro_batch=True), "is damaged: its manifest records micro_batch True"),
+    (None, lambda doc: doc["meta"].update(micro_batch=2 ** 70),  # trained on, the share in one micro-batch (review)
+     "is damaged: its manifest records micro_batch 1180591620717411303424, more than its global_batch of 64"),
     # State and manifest agree (job.restore's checks pass), but this data's epoch is shorter.
     (_set("timer.Timer.batch_in_epoch", 1000), _past_the_epoch,
      "is at batch 1000 of its epoch, but an epoch of this data has"),
 ], ids=["world_size 'two'", "world_size 0", "a global batch of 10**15", "global_batch '64'", "global_batch 64.5",
-        "micro_batch 0", "micro_batch True", "a position past this data's epoch"])
+        "micro_batch 0", "micro_batch True", "micro_batch 2**70", "a position past this data's epoch"])
 def test_a_damaged_manifest_meta_is_refused_naming_the_checkpoint(good: Path, tmp_path: Path, state: Edit | None,
                                                                   manifest: Edit, says: str) -> None:
     """These are found after job.restore, when the global batch is planned (job.elastic): the error names
