@@ -1,6 +1,7 @@
 """Fixtures of the uploader tests: a Remote of each kind, behind the same interface."""
 from __future__ import annotations
 
+import contextlib
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -65,7 +66,23 @@ def immutable_folder(tmp_path: Path) -> Iterator[Path]:
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A real filesystem with 8 MiB of room (a tmpfs), where writes past it fail with a real ENOSPC.
     Skipped where this process may not mount one (not root, or a sandbox without CAP_SYS_ADMIN)."""
-    folder = tmp_path / "small-disk"
+    with _tmpfs(tmp_path / "small-disk") as folder:
+        yield folder
+
+
+@pytest.fixture
+def read_only_volume(tmp_path: Path) -> Iterator[Path]:
+    """A folder ``remote`` on a filesystem mounted read-only (a tmpfs remounted ``ro``): every write fails
+    with a real EROFS, root's included. Skipped where this process may not mount one."""
+    with _tmpfs(tmp_path / "read-only") as folder:
+        (folder / "remote").mkdir()
+        if subprocess.run(["mount", "-o", "remount,ro", str(folder)], capture_output=True).returncode:
+            pytest.skip("cannot remount a tmpfs read-only here")
+        yield folder / "remote"
+
+
+@contextlib.contextmanager
+def _tmpfs(folder: Path) -> Iterator[Path]:
     folder.mkdir()
     mount, umount = shutil.which("mount"), shutil.which("umount")
     if mount is None or umount is None or subprocess.run(

@@ -69,6 +69,16 @@ def test_a_file_remote_this_user_may_not_write_is_a_permission_error(immutable_f
     assert list(immutable_folder.iterdir()) == []
 
 
+def test_a_file_remote_on_a_read_only_volume_is_a_permission_error(read_only_volume: Path) -> None:
+    """The folder exists, so the check gets as far as writing its file: the clean-up of that temporary file
+    failed with EROFS as well, and its OSError replaced the refusal (job train: a traceback, exit 1)."""
+    remote = open_remote(f"file://{read_only_volume}", fast_config())
+
+    with pytest.raises(AuthError, match=r"is not writable \(start-up write check\): cannot write .*"
+                                        r"Read-only file system; this user \(uid \d+\) needs to read and write"):
+        check_writable(remote)
+
+
 def test_an_unreachable_endpoint_is_logged_not_raised(aws_env: object, caplog: pytest.LogCaptureFixture) -> None:
     """Storage that is down is the retrying uploads' business; the check only reports it."""
     with socket.socket() as unused:
