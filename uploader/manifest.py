@@ -218,6 +218,16 @@ class Manifest:
             raise ManifestError(f"its manifest is for step {self.step}")
         return self
 
+    def whole_for_step(self, step: int) -> Manifest:
+        """:meth:`for_step`, for the manifest at a whole checkpoint's key in a bucket (``step-…/manifest.json``):
+        one node's part there (its ``meta.node``) is damage, never a checkpoint. A part's payload is checked
+        only on the whole it joins, so one with no files at all was pulled as complete, failed every start
+        (``state.pt is missing``) and was counted by retention, which deleted good checkpoints below it."""
+        if node_part(self.for_step(step)) is not None:
+            raise ManifestError("its manifest is one node's part of a multi-node checkpoint (meta.node), not a "
+                                "whole checkpoint")
+        return self
+
     def verify(self, folder: Path) -> None:
         """Check every listed file's size and digest; raise CorruptCheckpoint on the first mismatch.
 

@@ -149,8 +149,10 @@ def is_complete(remote: Remote, step: int) -> bool:
     """Whether the remote holds a complete checkpoint of ``step``: its manifest is there and parses, for that
     step (its files are not checked here)."""
     raw = remote.read_bytes(manifest_key(checkpoint_name(step)), limit=MAX_MANIFEST_BYTES)
-    manifest = None if raw is None else _parse_or_none(raw)
-    return manifest is not None and manifest.step == step
+    try:
+        return raw is not None and bool(Manifest.from_json(raw).whole_for_step(step))
+    except ManifestError:
+        return False
 
 
 def steps_other_nodes_started(remote: Remote) -> set[int]:
@@ -629,7 +631,7 @@ def _unusable(remote: Remote, ckpt: RemoteCheckpoint) -> str | None:
     try:
         raw = remote.read_bytes(manifest_key(ckpt.name), limit=MAX_MANIFEST_BYTES)
         if raw is not None:
-            Manifest.from_json(raw).for_step(ckpt.step)
+            Manifest.from_json(raw).whole_for_step(ckpt.step)
     except (CorruptCheckpoint, ManifestError) as e:
         return str(e)
     return "its manifest disappeared" if raw is None else None
@@ -701,7 +703,7 @@ def _remote_manifest(remote: Remote, ckpt: RemoteCheckpoint, raw: bytes | None) 
         logger.warning("skipping remote %s: its manifest disappeared (retention running?)", ckpt.name)
         return None
     try:
-        return Manifest.from_json(raw).for_step(ckpt.step)
+        return Manifest.from_json(raw).whole_for_step(ckpt.step)
     except UnsupportedFormat as e:
         raise _newer_format(remote, ckpt.name, e) from None
     except ManifestError as e:

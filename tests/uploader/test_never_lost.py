@@ -192,6 +192,33 @@ def _with_manifest(remote: Remote, local: Path, step: int,
     return data
 
 
+def _node_part_of(ckpt: LocalCheckpoint) -> bytes:
+    """``ckpt``'s manifest made one node's part of a save, with no files at all: what a bucket may hold at a
+    whole checkpoint's key (hand-made, or a part copied to the wrong key)."""
+    doc = json.loads((ckpt.path / MANIFEST_NAME).read_text())
+    doc["files"] = []
+    doc["meta"].update(node=0, nodes=1, save_id="abc")
+    return json.dumps(doc).encode()
+
+
+def test_a_node_parts_manifest_at_a_whole_checkpoints_key_is_never_pulled_nor_counted(
+        remote: Remote, local: Path, restore: Path) -> None:
+    """A part's payload is checked only on the whole it joins: at the whole's key one was pulled as the newest
+    complete checkpoint (every start then failed, "state.pt is missing"), and retention counted it, deleting
+    a good checkpoint below it (review)."""
+    push(make_checkpoint(local, 10), remote, keep=3)
+    _with_manifest(remote, local, 20, _node_part_of)
+
+    for step in (30, 40):
+        push(make_checkpoint(local, step), remote, keep=3)
+    assert complete_steps(remote) == [10, 20, 30, 40]  # 20 neither counted nor deleted: 10 is one of the 3 kept
+    remote.delete([manifest_key(checkpoint_name(step)) for step in (30, 40)])  # 20 is the newest "complete" one
+
+    pulled = pull_newest(remote, restore)
+    assert pulled is not None and pulled.step == 10
+    assert [name[:30] for name in remote_set_aside(remote)] == ["corrupt-step-000000000020-2026"]  # out of the way
+
+
 def test_an_oversized_manifest_is_read_no_further_than_the_cap(remote: Remote, local: Path, restore: Path) -> None:
     push(make_checkpoint(local, 10), remote, keep=5)
     _with_manifest(remote, local, 20, b" " * (MAX_MANIFEST_BYTES + 4096) + b"{}")
