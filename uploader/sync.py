@@ -503,7 +503,10 @@ def _commit_parts(remote: Remote, name: str, mine: Manifest) -> bool:
             raise ManifestError(f"{missing[0]} is missing or of another size")
         whole = Manifest(step=mine.step, files=tuple(sorted(files, key=lambda f: f.path)), timer=first.timer,
                          meta={k: v for k, v in first.meta.items() if k != "node"},
-                         created=max(p.created for p in parts.values()), format_version=first.format_version)
+                         created=max(p.created for p in parts.values()),
+                         # the newest of the parts' formats, which reads every older one's digests (a part of an
+                         # older build, in a rolling update, failed a format 2 whole with BLAKE3 digests: exit 1)
+                         format_version=max(p.format_version for p in parts.values()))
         raw = whole.to_json()
         Manifest.from_json(raw)  # the whole must be a checkpoint the job can load (payload, layout)
     except ManifestError as e:

@@ -14,10 +14,11 @@ import pytest
 
 from tests.support.checkpoints import complete_steps, data_files_of, make_checkpoint, objects_of
 from tests.support.recording import RecordingRemote
+from uploader.hashing import BLOCK_SIZE
 from uploader.layout import LATEST_KEY, manifest_key, node_key
 from uploader.local import LocalCheckpoint, checkpoint_name, mark_finished
 from uploader.exceptions import CorruptCheckpoint, ManifestError, TransientStorageError, UnsupportedFormat
-from uploader.manifest import Manifest
+from uploader.manifest import FORMAT_VERSION, Manifest
 from uploader.remote import Remote
 from uploader.sync import list_remote, list_set_aside, pull_files, pull_newest, push, set_aside_if_unchanged
 from uploader.watch import _identity, _pending
@@ -40,10 +41,12 @@ class DiesBeforeItsPart(RecordingRemote):
         super().write_bytes(key, data)
 
 
-def part(tmp_path: Path, node: int, step: int, save_id: str | None = None) -> LocalCheckpoint:
+def part(tmp_path: Path, node: int, step: int, save_id: str | None = None, format_version: int = FORMAT_VERSION
+         ) -> LocalCheckpoint:
     """Node ``node``'s local part of the checkpoint of ``step`` (its own --save-folder)."""
     meta = {"node": node, "nodes": NODES, "save_id": save_id or f"save-{step}", "model": "mlp"}
-    return make_checkpoint(tmp_path / f"node{node}", step, FILES[node], seed=step * 10 + node, meta=meta)
+    return make_checkpoint(tmp_path / f"node{node}", step, FILES[node], seed=step * 10 + node, meta=meta,
+                           format_version=format_version, block_size=None if format_version == 1 else BLOCK_SIZE)
 
 
 def test_the_checkpoint_is_complete_only_once_every_node_has_uploaded(remote: Remote, tmp_path: Path) -> None:
@@ -159,6 +162,19 @@ def test_a_node_never_replaces_a_newer_format_commit_or_part(remote: Remote, tmp
         push(part(tmp_path, 0, 10, save_id="second"), remote, keep=3)
 
     assert objects_of(remote, name) == before
+
+
+@pytest.mark.parametrize("older", [1, 2])
+def test_parts_of_two_formats_commit_in_the_newer_one(remote: Remote, tmp_path: Path, older: int) -> None:
+    """Node 0 on an older build (a rolling update, or a hand-made part): committing the parts raised a
+    ValueError, exit 1 for sync and a crash loop for the sidecar at every pass (review). The newer format
+    reads the older one's digests."""
+    push(part(tmp_path, 0, 10, format_version=older), remote, keep=3)
+    push(part(tmp_path, 1, 10), remote, keep=3)
+
+    assert complete_steps(remote) == [10]
+    pulled = pull_newest(remote, tmp_path / "reader")
+    assert pulled is not None and pulled.manifest().format_version == FORMAT_VERSION
 
 
 @pytest.mark.parametrize("meta", [{"node": 1, "nodes": 2}, {"node": 2, "nodes": 2, "save_id": "s"},
