@@ -125,7 +125,7 @@ def parse_life(raw: bytes) -> Life:
         if how_end not in _ENDS:
             raise BadRecord(f"bad end {how_end!r}")
         end_at, code = _time(end, "at"), _count(end, "exit_code")
-        reason = end.get("reason") if isinstance(end.get("reason"), str) else None
+        reason = _str(end, "reason", 10_000) if isinstance(end.get("reason"), str) else None
         final = _seconds(end, "final_save_s") or 0.0
     if end_at < started or last_seen < started:
         raise BadRecord("ends before it starts")
@@ -221,9 +221,12 @@ def _dict(doc: dict[str, Any], key: str) -> dict[str, Any]:
 
 
 def _str(doc: dict[str, Any], key: str, limit: int) -> str:
+    """A string the report can print: control characters (a newline, a terminal's escape sequences) would
+    rewrite the screen of whoever reads it, and a lone surrogate (valid JSON) cannot be encoded at all
+    (``job report`` ended in a traceback)."""
     value = doc.get(key)
-    if not isinstance(value, str) or len(value) > limit:
-        raise BadRecord(f"{key} is not a string of at most {limit} characters")
+    if not isinstance(value, str) or len(value) > limit or not value.isprintable():
+        raise BadRecord(f"{key} is not a printable string of at most {limit} characters")
     return value
 
 
