@@ -21,7 +21,7 @@ from job import distributed, elastic
 from job.checkpoint import Checkpointer, check_nodes_can_resume, claim_folder
 from job.curves import recording
 from job.config import CheckpointConfig, TrainConfig
-from job.exceptions import ConfigError
+from job.exceptions import EXIT_PREEMPTED, ConfigError, exit_code_for
 from job.ledger import Ledger
 from job.logs import event
 from job.loop import Trainer, unwrap
@@ -230,6 +230,15 @@ def _stop_for_preemption(state: State, cadence: CheckpointCadence, store: Remote
           uploaded=uploaded, reason=stop.reason)
 
 
+def _stopped_before_training(folder: Path, stop: StopRequest, why: Exception) -> None:
+    """A stop request while the start-up waited for a download: no step was trained, so nothing is saved;
+    the checkpoints already on disk and in the bucket are the ones the next start finds."""
+    if distributed.node_leader():  # sidecars may leave
+        committed = local.list_committed(folder)
+        local.mark_finished(folder, committed[-1].step if committed else 0, reason="preempted")
+    event(logger, "preempted", step=None, checkpoint_step=None, uploaded=None, reason=stop.reason or str(why))
+
+
 def _mark_failed(folder: Path) -> None:
     """Let a sidecar finish uploading and exit instead of waiting for a job that is gone."""
     committed = local.list_committed(folder)
@@ -251,7 +260,7 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
     if cfg.sharded:
         remote = remote_cfg is not None and bool(remote_cfg.url)
         check_nodes_can_resume(ckpt_cfg.folder, remote, remote and remote_cfg is not None and remote_cfg.mode != "off")
-    store = (RemoteStore(remote_cfg, ckpt_cfg.folder)
+    store = (RemoteStore(remote_cfg, ckpt_cfg.folder, stopped=lambda: stop.reason)
              if (leader or node_uploads) and remote_cfg is not None and remote_cfg.url else None)
     # The newest remote checkpoint downloads while the model is built: a resume waits for the larger one.
     # Sharded on several nodes, each node downloads later, once the model says what its ranks read (job.node_pull).
@@ -355,6 +364,9 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
               metrics={label: {k: round(float(v), 6) for k, v in m.items()} for label, m in state.current_metrics.items()})
         return Outcome(state, preempted=False)
     except Exception as e:
+        if checkpointer is not None and exit_code_for(e) == EXIT_PREEMPTED:  # on this rank or rank 0 (job.storage.Pull)
+            _stopped_before_training(ckpt_cfg.folder, stop, e)
+            return Outcome(state, preempted=True)
         failed = True
         if life is not None:
             life.failed(e)

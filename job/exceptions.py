@@ -48,6 +48,13 @@ class CheckpointWriteError(JobError):
     exit_code = EXIT_WRITE_FAILED
 
 
+class StoppedBeforeTraining(JobError):
+    """A stop request (SIGTERM, SIGINT) before the first step, while the start-up waited for a download: nothing
+    was trained, so nothing is saved; the checkpoint being pulled stays in the bucket (job.storage.Pull)."""
+
+    exit_code = EXIT_PREEMPTED
+
+
 class OtherRankError(JobError):
     """What another rank failed with, raised here with that rank's exit code, so that every rank of a
     collective step ends the same way (a full disk on one node is not a corrupt checkpoint on the rest)."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from concurrent.futures import Future
 from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -19,7 +18,7 @@ from job.config import CheckpointConfig
 from job.exceptions import CheckpointLoadError, ConfigError
 from job.logs import event
 from job.restore import own_settings, restore
-from job.storage import RemoteStore
+from job.storage import Pull, RemoteStore
 from state import State
 from uploader import local
 from uploader.local import LocalCheckpoint
@@ -37,7 +36,7 @@ def expects_checkpoint(cfg: CheckpointConfig, store: RemoteStore | None) -> bool
 
 
 def choose(cfg: CheckpointConfig, checkpointer: Checkpointer, store: RemoteStore | None,
-           pulling: Future[LocalCheckpoint | None] | None = None) -> tuple[Path, Manifest, str] | None:
+           pulling: Pull | None = None) -> tuple[Path, Manifest, str] | None:
     """The checkpoint to resume from (rank 0 only): --resume PATH, or the newest of local and remote.
 
     ``pulling`` is the remote pull started before the model was built (RemoteStore.start_pull).
@@ -47,10 +46,9 @@ def choose(cfg: CheckpointConfig, checkpointer: Checkpointer, store: RemoteStore
     if cfg.resume != "auto":
         folder, manifest = open_checkpoint(Path(cfg.resume))
         return folder, manifest, str(folder)
-    if pulling is not None:
-        pulled = pulling.result()
-    else:
-        pulled = store.pull_if_newer(cfg.folder) if store is not None else None
+    if pulling is None and store is not None:
+        pulling = store.start_pull(cfg.folder)
+    pulled = pulling.result() if pulling is not None else None
     if store is not None and pulled is not None:
         return _resume_from_pull(store, pulled)
     # A node's part of a multi-node checkpoint is never resumed alone, nor a checkpoint that failed: not counted.
@@ -59,7 +57,7 @@ def choose(cfg: CheckpointConfig, checkpointer: Checkpointer, store: RemoteStore
     if store is not None and committed and (found is None or found[0].step < committed[-1].step):
         # The newest local checkpoint is corrupt (a pull torn by a power cut: pulls are not fsynced)
         # and was skipped: the bucket may still hold it, or something newer than the older local one.
-        pulled = store.pull_if_newer(cfg.folder, than=found[0].step if found is not None else -1)
+        pulled = store.start_pull(cfg.folder, than=found[0].step if found is not None else -1).result()
         if pulled is not None:
             return _resume_from_pull(store, pulled)
     if found is None:
@@ -117,7 +115,7 @@ class Resumed(NamedTuple):
 
 def resume(state: State, cfg: CheckpointConfig, checkpointer: Checkpointer, meta: dict[str, Any],
            store: RemoteStore | None, mesh: DeviceMesh | None = None,
-           pulling: Future[LocalCheckpoint | None] | None = None) -> Resumed | None:
+           pulling: Pull | None = None) -> Resumed | None:
     """Rank 0 chooses and reads the checkpoint; every rank loads the same one, with what was per rank
     handed over by job.elastic (on another number of ranks too). None when there is nothing to resume.
 
@@ -169,7 +167,7 @@ def _newest_whole_local(folder: Path) -> int:
 
 
 def _load_chosen(state: State, cfg: CheckpointConfig, checkpointer: Checkpointer, meta: dict[str, Any],
-                 store: RemoteStore | None, mesh: DeviceMesh | None, pulling: Future[LocalCheckpoint | None] | None,
+                 store: RemoteStore | None, mesh: DeviceMesh | None, pulling: Pull | None,
                  ) -> tuple[Callable[[], Any], str, dict[str, Any], int, dict[str, int]] | None:
     """The checkpoint rank 0 chooses: how this rank reads its state dict (inside resume's agreement on
     errors: a rank that cannot read it refuses it for all), where it came from, its meta, step and timer."""
@@ -237,7 +235,7 @@ def file_identity(path: Path) -> tuple[int, int, int, int] | None:
 
 
 def _whole_on_this_node(store: RemoteStore | None, folder: Path, step: int, source: str,
-                        pulling: Future[LocalCheckpoint | None] | None) -> None:
+                        pulling: Pull | None) -> None:
     """The whole checkpoint rank 0 chose, in this node's folder: already there (a shared volume, or
     this node's own start-up pull, which ran alongside rank 0's), else pulled from the remote now."""
     if pulling is not None:

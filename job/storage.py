@@ -10,11 +10,12 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Collection
-from concurrent.futures import Future
+from collections.abc import Callable, Collection
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from pathlib import Path
 
+from job.exceptions import StoppedBeforeTraining
 from job.logs import event
 from uploader.config import UploadConfig
 from uploader.exceptions import TransientStorageError
@@ -31,11 +32,34 @@ from uploader.sync import (
     pull_newest,
     set_aside_if_unchanged,
 )
-from uploader.worker import BackgroundUploader
+from uploader.worker import ABORT_GRACE, BackgroundUploader
 
 logger = logging.getLogger(__name__)
 
 UPLOAD_MODES = ("inprocess", "sidecar", "off")
+PULL_POLL_S = 0.2  # how often a wait for a pull looks for a stop request
+
+
+class Pull:
+    """A pull running in its own thread (RemoteStore.start_pull), whose waiter gives it up on a stop request.
+
+    Why: a SIGTERM during a start-up download (a spot node reclaimed minutes into a large pull) was only
+    answered once the pull had ended, so the job outlived its grace period and was killed. Before the first
+    step nothing is trained, so nothing needs saving: the waiter stops at once (exit 75), and the store's
+    close aborts the download. The checkpoint stays in the bucket for the next start."""
+
+    def __init__(self, future: Future[LocalCheckpoint | None], stopped: Callable[[], str | None]) -> None:
+        self._future, self._stopped = future, stopped
+
+    def result(self) -> LocalCheckpoint | None:
+        """The pulled checkpoint (None: nothing newer); its errors re-raised; StoppedBeforeTraining on a stop."""
+        while not wait([self._future], timeout=PULL_POLL_S).done:
+            why = self._stopped()
+            if why is not None:
+                raise StoppedBeforeTraining(
+                    f"stopped ({why}) while the checkpoint to resume was downloading, before any training: nothing "
+                    "new to save; the next start resumes it from the bucket")
+        return self._future.result()
 
 
 @dataclass(frozen=True)
@@ -66,7 +90,8 @@ def _uploaded(ckpt: LocalCheckpoint, seconds: float) -> None:
 class RemoteStore:
     """One remote, opened once; owns the background uploader when uploading in-process."""
 
-    def __init__(self, cfg: RemoteConfig, folder: Path) -> None:
+    def __init__(self, cfg: RemoteConfig, folder: Path, stopped: Callable[[], str | None] = lambda: None) -> None:
+        """``stopped``: why the job is stopping (None while it is not); a wait for a pull gives up then (Pull)."""
         assert cfg.url is not None
         self.url = cfg.url
         self.final_upload_timeout = cfg.final_upload_timeout
@@ -76,6 +101,7 @@ class RemoteStore:
                                             on_uploaded=_uploaded) if cfg.mode == "inprocess" else None)
         self._pull: threading.Thread | None = None
         self._abort_pull = threading.Event()
+        self._stopped = stopped
 
     def pull_if_newer(self, folder: Path, than: int | None = None) -> LocalCheckpoint | None:
         """Download the newest complete remote checkpoint when it is newer than step ``than`` (by
@@ -120,15 +146,16 @@ class RemoteStore:
         if self._writes:
             set_aside_if_unchanged(self.remote, manifest, reason)
 
-    def start_pull(self, folder: Path) -> Future[LocalCheckpoint | None]:
+    def start_pull(self, folder: Path, than: int | None = None) -> Pull:
         """:meth:`pull_if_newer` in a thread, so the download overlaps building the model; ``result()``
-        re-raises its errors (AuthError, BucketNotFound) where the caller is ready for them."""
+        re-raises its errors (AuthError, BucketNotFound) where the caller is ready for them, and gives the
+        pull up on a stop request (Pull)."""
         pulled: Future[LocalCheckpoint | None] = Future()
 
         def run() -> None:
             began = time.monotonic()
             try:
-                found = self.pull_if_newer(folder)
+                found = self.pull_if_newer(folder, than)
                 if found is not None:
                     event(logger, "resume_pulled", step=found.step, seconds=round(time.monotonic() - began, 3))
                 pulled.set_result(found)
@@ -137,7 +164,7 @@ class RemoteStore:
 
         self._pull = threading.Thread(target=run, name="resume-pull", daemon=True)
         self._pull.start()
-        return pulled
+        return Pull(pulled, self._stopped)
 
     @property
     def uploads(self) -> bool:
@@ -182,9 +209,12 @@ class RemoteStore:
                 f"(--final-upload-timeout); it stays in {folder}, and the next start (or `uploader sync`) uploads it")
 
     def close(self, timeout: float | None = None) -> bool:
-        if self._pull is not None:  # a start-up that failed before using its pull: stop it, leave nothing running
+        if self._pull is not None:  # a start-up that failed or stopped before using its pull: stop it, leave nothing
             self._abort_pull.set()
-            self._pull.join()
+            self._pull.join(ABORT_GRACE)
+            if self._pull.is_alive():  # in a request the abort does not reach (a listing): cut the requests in flight
+                self.remote.cancel()
+                self._pull.join()
         ok = True if self.uploader is None else self.uploader.close(timeout)
         self.remote.close()
         return ok

@@ -403,7 +403,7 @@ class S3Remote:
         on_bytes: OnBytes | None = None,
         abort: threading.Event | None = None,
     ) -> None:
-        info = self.head(key)
+        info = self._head(key, abort.is_set if abort is not None else None)  # a held HEAD kept a stopped pull
         if info is None:
             raise CorruptCheckpoint(f"{self.url}/{key} is missing")
         if info.size != size:

@@ -14,7 +14,7 @@ from tests.support.polling import wait_until
 from tests.support.s3server import READER, Credentials, fast_config
 from uploader import local
 from uploader.remote import open_remote
-from uploader.sync import list_remote
+from uploader.sync import list_remote, list_set_aside
 
 pytestmark = [pytest.mark.s3, pytest.mark.slow]
 
@@ -179,3 +179,37 @@ def test_sigterm_uploads_the_final_checkpoint_before_exit(spawn, tmp_path, s3_bu
     preempted = proc.wait_event("preempted")
     assert preempted["uploaded"] is True and preempted["checkpoint_step"] == preempted["step"]
     assert max(remote_steps(s3_bucket)) == preempted["step"]
+
+
+@pytest.mark.parametrize("second_pull", [False, True], ids=["start-up-pull", "pull-after-a-corrupt-local-one"])
+def test_sigterm_during_the_start_up_download_exits_75_at_once(spawn, tmp_path, s3_bucket, fault_proxy, second_pull):
+    """Nothing is trained before the first step, so a stop while the checkpoint to resume downloads has nothing
+    to save. It was answered only once the download ended: a reclaimed spot node minutes into a large pull
+    outlived its grace period and was killed; here, a held download ended after the retry budget (exit 5).
+    ``second_pull``: the newest local checkpoint is corrupt and the start pulls it again from the bucket."""
+    env, remote = s3_job_env(s3_bucket), s3_bucket.url("run")
+    folder = tmp_path / "ck"
+    assert run_job("train", *ARGS, "--max-duration", "20ba", "--save-folder", str(folder), "--remote", remote,
+                   env=env).returncode == 0
+    if second_pull:
+        (folder / local.checkpoint_name(20) / "state.pt").write_bytes(b"damaged")
+    else:
+        shutil.rmtree(folder)  # a new machine
+    fault_proxy.hold("/state.pt")
+    proc = spawn("train", *ARGS, "--max-duration", "40ba", "--save-folder", str(folder), "--remote", remote,
+                 "--grace-period", "30", env={**env, "JOB_ENDPOINT_URL": fault_proxy.endpoint_url})
+    wait_until(lambda: fault_proxy.counters.held > 0, timeout=120, what="the download of state.pt held")
+
+    proc.signal(signal.SIGTERM)
+
+    assert proc.wait(300) == 75, proc.stderr
+    preempted = proc.wait_event("preempted")
+    assert preempted["step"] is None and preempted["reason"] == "SIGTERM"
+    assert not any(e.get("event") in ("resumed", "start") for e in proc.events)  # not one step trained
+    assert (folder / local.FINISHED_NAME).exists()  # a sidecar may leave
+    assert remote_steps(s3_bucket) == [10, 20]  # the checkpoint being pulled is as it was, for the next start
+    bucket = open_remote(remote, fast_config(s3_bucket.endpoint_url))
+    try:
+        assert list_set_aside(bucket) == []
+    finally:
+        bucket.close()
