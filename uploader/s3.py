@@ -685,6 +685,10 @@ class S3Remote:
                 "check the credentials (access key and secret, or the role) and that they may list, read, "
                 "write and delete in the bucket"
             )
+        if code == "InvalidBucketName":  # a bad flag (exit 2), not a failing server (it was exit 1, no advice)
+            return BadSettings(
+                f"bucket name {self.bucket!r} is refused by {self.endpoint} (InvalidBucketName): S3 bucket names are "
+                "3 to 63 lowercase letters, digits, dots and hyphens; fix the remote URL")
         if code == "NoSuchBucket":
             return BucketNotFound(
                 f"bucket {self.bucket!r} does not exist at {self.endpoint}: create it, or fix the remote URL "

@@ -121,13 +121,14 @@ def test_a_disk_too_full_for_the_start_up_pull_exits_7_with_one_line(tmp_path, s
 
 @pytest.mark.parametrize(
     "case, code, needle",
-    [("wrong-secret", 3, "credentials"), ("read-only", 3, ""), ("missing-bucket", 4, "bucket")],
+    [("wrong-secret", 3, "credentials"), ("read-only", 3, ""), ("missing-bucket", 4, "bucket"),
+     ("invalid-bucket-name", 2, "invalidbucketname")],  # a bad flag: it was exit 1 with no advice (review)
 )
 def test_storage_errors_fail_fast_with_one_line(tmp_path, s3_bucket, case, code, needle):
     credentials = {"wrong-secret": Credentials(s3_bucket.credentials.access_key, "not-the-secret"),
                    "read-only": READER}.get(case)
     env = s3_job_env(s3_bucket, credentials)
-    bucket_name = "no-such-bucket-here" if case == "missing-bucket" else s3_bucket.name
+    bucket_name = {"missing-bucket": "no-such-bucket-here", "invalid-bucket-name": "UPPER-case"}.get(case, s3_bucket.name)
     remote = f"s3://{bucket_name}/run"
     # read-only can list and read, so the start-up pull passes: the write check must catch it
     done = run_job("train", *ARGS, "--save-folder", str(tmp_path / "ck"), "--remote", remote, env=env)
