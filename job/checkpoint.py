@@ -580,8 +580,9 @@ def claim_folder(folder: Path) -> None:
     to the folder claims it before anything is written, so no save or pull of this start is under way:
     on nodes with disks of their own, each node's leader, whose folder no other start-up looks at.
 
-    Nothing is created here: a folder that does not exist yet is judged by the nearest one above it
-    that does, and made by the first save or pull, so a run refused for a bad flag leaves no trace.
+    Nothing is left here: a folder that does not exist yet is judged by the nearest one above it that
+    does (a folder made and removed there), and made by the first save or pull, so a run refused for a
+    bad flag leaves no trace.
     """
     try:
         existing = local.nearest_existing(folder)  # a folder above it this user may not enter: EACCES
@@ -591,6 +592,11 @@ def claim_folder(folder: Path) -> None:
             raise OSError(errno.EROFS, os.strerror(errno.EROFS))
         if not os.access(existing, os.W_OK | os.X_OK):
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+        # os.access says yes to root everywhere, and /proc, /sys or a FUSE mount still refuse: root trained a
+        # whole run into /proc/x, then failed its first save. A folder made and removed says it for sure.
+        probe = existing / f"{local.STAGING_PREFIX}write-check-{uuid.uuid4().hex[:8]}"
+        probe.mkdir()
+        probe.rmdir()
         local.clear_finished(folder)
         local.clean_staging(folder)
     except OSError as e:

@@ -239,6 +239,16 @@ def test_unwritable_save_folder_fails_at_start_up(tmp_path):
     assert not [e for e in events(done.stderr) if e["event"] in ("progress", "checkpoint")]
 
 
+@pytest.mark.parametrize("folder", ["/proc/spot-trainer-ck", "/sys/kernel/spot-trainer-ck"])
+def test_a_save_folder_root_may_not_write_either_fails_at_start_up(folder):
+    """os.access says yes to root everywhere, and /proc and /sys refuse root too: the run trained to its end,
+    then failed its first save (exit 7, review). Where the tests run as another user, os.access says no."""
+    done = run_job("train", *TINY_ARGS, "--save-folder", folder)
+    assert done.returncode == 7, done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith(f"job: error: cannot write checkpoints to {folder}: ")
+    assert not [e for e in events(done.stderr) if e["event"] in ("progress", "checkpoint")]
+
+
 def test_a_save_folder_inside_one_this_user_may_not_enter_fails_at_start_up_in_one_line():
     """Looking for the nearest folder that exists met EACCES: a traceback (exit 1, "a bug"). Root enters any
     folder: the job runs as nobody then, in /tmp (pytest's tmp_path lies in a folder only its owner may enter)."""
