@@ -340,6 +340,8 @@ def inspect(path: str, endpoint_url: str | None, addressing: str) -> None:
     """
     from job.checkpoint import describe, open_checkpoint
 
+    if not path.strip():  # Path("") is ".": a variable that expanded to nothing inspected the working folder
+        raise ConfigError("job inspect: PATH is empty: give a checkpoint folder, a folder of checkpoints or a URL")
     if "://" in path:
         with tempfile.TemporaryDirectory(prefix="job-inspect-") as tmp:
             info = describe_remote(path, Path(tmp), endpoint_url, addressing)

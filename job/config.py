@@ -70,3 +70,5 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         if self.keep < 1:
             raise ValueError("--keep must be >= 1")
+        if not self.resume.strip():  # Path("") is ".": an unset variable resumed whatever the working folder held
+            raise ValueError("--resume is empty: give auto, never or a checkpoint folder")

@@ -45,6 +45,8 @@ def run_main(capsys, *argv: str) -> tuple[int, str, str]:
         (["train", "--remote", "s3://"], "--remote: not an S3 remote"),
         (["train", "--remote", "file://relative/path"], "three slashes"),
         (["inspect", "/nonexistent/checkpoint"], "/nonexistent/checkpoint"),
+        (["inspect", ""], "PATH is empty"),  # both were "." (the working folder), exit 6 (review)
+        (["train", "--resume", ""], "--resume is empty"),
         (["train", "--seed", "-1"], "--seed"),
         (["train", "--seed", "4294967296"], "--seed"),
         (["train", "--lr", "inf"], "--lr"),
