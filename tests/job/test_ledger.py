@@ -154,8 +154,8 @@ def test_goodput_splits_the_wall_clock_into_its_categories() -> None:
     json.dumps(life_record(end={"how": "preempted", "at": 1_796_000_085.0, "exit_code": 75,
                                 "reason": "SIGTERM\x1b[2J"})).encode(),
     b'{"format_version": 1, "kind": "spot-trainer-life", "life": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
-], ids=["pickle", "list", "kind", "format", "life-id", "negative", "time", "huge-int", "stall", "end", "backwards", "surrogate", "escapes",
-    "escaped-reason", "deep"])
+], ids=["pickle", "list", "kind", "format", "life-id", "negative", "time", "huge-int", "stall", "end", "backwards",
+        "surrogate", "escapes", "escaped-reason", "deep"])
 def test_a_malformed_or_hostile_record_is_refused_with_a_reason(raw: bytes) -> None:
     with pytest.raises(BadRecord):
         parse_life(raw)

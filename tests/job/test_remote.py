@@ -128,7 +128,8 @@ def test_storage_errors_fail_fast_with_one_line(tmp_path, s3_bucket, case, code,
     credentials = {"wrong-secret": Credentials(s3_bucket.credentials.access_key, "not-the-secret"),
                    "read-only": READER}.get(case)
     env = s3_job_env(s3_bucket, credentials)
-    bucket_name = {"missing-bucket": "no-such-bucket-here", "invalid-bucket-name": "UPPER-case"}.get(case, s3_bucket.name)
+    bucket_name = {"missing-bucket": "no-such-bucket-here", "invalid-bucket-name": "UPPER-case"}.get(
+        case, s3_bucket.name)
     remote = f"s3://{bucket_name}/run"
     # read-only can list and read, so the start-up pull passes: the write check must catch it
     done = run_job("train", *ARGS, "--save-folder", str(tmp_path / "ck"), "--remote", remote, env=env)
