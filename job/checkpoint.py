@@ -8,6 +8,7 @@ over job.dcp_storage); this module hashes their files and commits them like any 
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import hashlib
@@ -594,9 +595,12 @@ def claim_folder(folder: Path) -> None:
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
         # os.access says yes to root everywhere, and /proc, /sys or a FUSE mount still refuse: root trained a
         # whole run into /proc/x, then failed its first save. A folder made and removed says it for sure.
+        # Staging-named, so that a process killed in between leaves nothing a start keeps; another node
+        # leader's clean_staging on a shared folder may remove it first (FileNotFoundError): made is enough.
         probe = existing / f"{local.STAGING_PREFIX}write-check-{uuid.uuid4().hex[:8]}"
         probe.mkdir()
-        probe.rmdir()
+        with contextlib.suppress(FileNotFoundError):
+            probe.rmdir()
         local.clear_finished(folder)
         local.clean_staging(folder)
     except OSError as e:
