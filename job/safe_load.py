@@ -92,22 +92,27 @@ def check_unfolded(tree: Any, what: str) -> None:
                                   f"{sys.getrecursionlimit()} levels; {ADVICE}") from None
 
 
+# Quantized dtypes that pack several elements into each byte of their storage.
+_PER_BYTE = {torch.quint4x2: 2, torch.quint2x4: 4}
+
+
 def _check_tensor(tensor: torch.Tensor, what: str) -> None:
     """A CheckpointLoadError for a tensor no torch.save of real state writes: one on the meta device holds no
     data (a resume took it through every check as a number, then failed at its first use), and one that
     views more elements than its storage holds (a stride of 0: ``zeros(1).expand(2**29)``, 1.5 KB on disk)
     allocates them all once anything copies it (4.5 GB for ``job inspect``, a checkpoint of 2 GB written
-    at each save). Neither can be a module's state: load_state_dict cannot copy into either."""
+    at each save). The job never writes either: its saves copy every tensor into dense memory of its own
+    (job.snapshot), and DCP's writer clones a view to its own bytes."""
     if tensor.is_meta:
         raise CheckpointLoadError(f"{what} is damaged or hostile: it holds a tensor on the meta device, "
                                   f"which has no data; {ADVICE}")
     if tensor.layout == torch.strided:
         stored = tensor.untyped_storage().nbytes()
-        if tensor.numel() * tensor.element_size() > stored:
+        if tensor.numel() * tensor.element_size() > stored * _PER_BYTE.get(tensor.dtype, 1):
             raise CheckpointLoadError(
                 f"{what} is damaged or hostile: a tensor of shape {tuple(tensor.shape)} views {stored:,} bytes "
-                f"that hold fewer than its {tensor.numel():,} elements (an expanded view; torch.save of a "
-                f"module's state never writes one); {ADVICE}")
+                f"that hold fewer than its {tensor.numel():,} elements (an expanded view, which this job's saves "
+                f"never write); {ADVICE}")
 
 
 def check_stored(source: Path | IO[bytes], what: str) -> None:

@@ -271,6 +271,34 @@ def test_a_file_whose_shared_objects_unfold_past_any_state_is_refused_as_it_load
                 load_weights_only(source, name, mmap=mmap)
 
 
+@pytest.mark.parametrize("mmap", [True, False], ids=["a-whole-file", "a-byte-range"])
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning",  # torch's own, about quantized tensors
+                            "ignore:TypedStorage is deprecated:UserWarning")
+def test_tensors_views_and_packed_dtypes_a_real_state_holds_load(tmp_path, mmap):
+    """The check for views beyond their storage (job.safe_load) counts elements packed several to a byte:
+    quint4x2 held 8 elements on 4 bytes and was refused as an expanded view (review). A view within its
+    storage loads; one past it does not."""
+    from job.safe_load import load_weights_only
+
+    base = torch.randn(10)
+    for name, tensor, refused in [
+        ("quint4x2", torch.quantize_per_tensor(torch.rand(8), 0.1, 0, torch.quint4x2), False),
+        ("quint2x4", torch.quantize_per_tensor(torch.rand(8), 0.1, 0, torch.quint2x4), False),
+        ("a slice", base[2:5], False),
+        ("a row broadcast to a batch of one", torch.arange(10).expand(1, -1), False),
+        ("an expanded view", torch.zeros(1).expand(4), True),
+    ]:
+        torch.save({"t": tensor}, tmp_path / "f")
+        source = tmp_path / "f" if mmap else io.BytesIO((tmp_path / "f").read_bytes())
+        if refused:
+            with pytest.raises(CheckpointLoadError, match="an expanded view"):
+                load_weights_only(source, name, mmap=mmap)
+        else:
+            loaded = load_weights_only(source, name, mmap=mmap)["t"]
+            same = loaded.int_repr() if loaded.is_quantized else loaded
+            assert torch.equal(same, tensor.int_repr() if tensor.is_quantized else tensor), name
+
+
 def test_another_node_leaders_clean_up_of_the_write_check_is_no_failure(tmp_path, monkeypatch):
     """Node leaders sharing a --save-folder claim it at once: one's clean-up of staging leftovers removed the
     other's write-check folder between its mkdir and rmdir, and that start failed (exit 7, "No such file or
