@@ -9,7 +9,6 @@ over job.dcp_storage); this module hashes their files and commits them like any 
 from __future__ import annotations
 
 import contextlib
-import errno
 import functools
 import hashlib
 import logging
@@ -587,16 +586,11 @@ def claim_folder(folder: Path) -> None:
     """
     try:
         existing = local.nearest_existing(folder)  # a folder above it this user may not enter: EACCES
-        if not existing.is_dir():
-            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
-        if os.statvfs(existing).f_flag & os.ST_RDONLY:  # os.access says EACCES for it: name the mount instead
-            raise OSError(errno.EROFS, os.strerror(errno.EROFS))
-        if not os.access(existing, os.W_OK | os.X_OK):
-            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
-        # os.access says yes to root everywhere, and /proc, /sys or a FUSE mount still refuse: root trained a
-        # whole run into /proc/x, then failed its first save. A folder made and removed says it for sure.
-        # Staging-named, so that a process killed in between leaves nothing a start keeps; another node
-        # leader's clean_staging on a shared folder may remove it first (FileNotFoundError): made is enough.
+        # A folder made and removed there says it for sure, in the system's words (ENOTDIR, EACCES, EROFS):
+        # os.access says yes to root everywhere, and /proc, /sys or a FUSE mount still refuse root (a whole run
+        # trained into /proc/x, then failed its first save). Staging-named, so that a process killed in between
+        # leaves nothing a start keeps; another node leader's clean_staging on a shared folder may remove it
+        # first (FileNotFoundError): made is enough.
         probe = existing / f"{local.STAGING_PREFIX}write-check-{uuid.uuid4().hex[:8]}"
         probe.mkdir()
         with contextlib.suppress(FileNotFoundError):
