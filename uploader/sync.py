@@ -149,10 +149,13 @@ def is_complete(remote: Remote, step: int) -> bool:
     """Whether the remote holds a complete checkpoint of ``step``: its manifest is there and parses, for that
     step (its files are not checked here)."""
     raw = remote.read_bytes(manifest_key(checkpoint_name(step)), limit=MAX_MANIFEST_BYTES)
+    if raw is None:
+        return False
     try:
-        return raw is not None and bool(Manifest.from_json(raw).whole_for_step(step))
+        Manifest.from_json(raw).whole_for_step(step)
     except ManifestError:
         return False
+    return True
 
 
 def steps_other_nodes_started(remote: Remote) -> set[int]:
