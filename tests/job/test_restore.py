@@ -30,7 +30,7 @@ from tests.support.users import NOBODY, as_nobody
 from uploader import local
 
 Edit = Callable[[dict[str, Any]], Any]
-META = torch.empty((), device="meta")  # a tensor without data: job.safe_load refuses it on sight
+META = HOSTILE["a meta tensor"]  # a tensor without data: job.safe_load refuses it on sight
 
 
 @pytest.fixture(scope="module")
