@@ -97,7 +97,7 @@ _PER_BYTE = {torch.quint4x2: 2, torch.quint2x4: 4}
 
 
 def _check_tensor(tensor: torch.Tensor, what: str) -> None:
-    """A CheckpointLoadError for a tensor no torch.save of real state writes: one on the meta device holds no
+    """A CheckpointLoadError for a tensor this job's saves never write: one on the meta device holds no
     data (a resume took it through every check as a number, then failed at its first use), and one that
     views more elements than its storage holds (a stride of 0: ``zeros(1).expand(2**29)``, 1.5 KB on disk)
     allocates them all once anything copies it (4.5 GB for ``job inspect``, a checkpoint of 2 GB written
