@@ -36,7 +36,7 @@ def expects_checkpoint(cfg: CheckpointConfig, store: RemoteStore | None) -> bool
 
 
 def choose(cfg: CheckpointConfig, checkpointer: Checkpointer, store: RemoteStore | None,
-           pulling: Pull | None = None) -> tuple[Path, Manifest, str] | None:
+           pulling: Pull[LocalCheckpoint | None] | None = None) -> tuple[Path, Manifest, str] | None:
     """The checkpoint to resume from (rank 0 only): --resume PATH, or the newest of local and remote.
 
     ``pulling`` is the remote pull started before the model was built (RemoteStore.start_pull).
@@ -115,7 +115,7 @@ class Resumed(NamedTuple):
 
 def resume(state: State, cfg: CheckpointConfig, checkpointer: Checkpointer, meta: dict[str, Any],
            store: RemoteStore | None, mesh: DeviceMesh | None = None,
-           pulling: Pull | None = None) -> Resumed | None:
+           pulling: Pull[LocalCheckpoint | None] | None = None) -> Resumed | None:
     """Rank 0 chooses and reads the checkpoint; every rank loads the same one, with what was per rank
     handed over by job.elastic (on another number of ranks too). None when there is nothing to resume.
 
@@ -167,7 +167,7 @@ def _newest_whole_local(folder: Path) -> int:
 
 
 def _load_chosen(state: State, cfg: CheckpointConfig, checkpointer: Checkpointer, meta: dict[str, Any],
-                 store: RemoteStore | None, mesh: DeviceMesh | None, pulling: Pull | None,
+                 store: RemoteStore | None, mesh: DeviceMesh | None, pulling: Pull[LocalCheckpoint | None] | None,
                  ) -> tuple[Callable[[], Any], str, dict[str, Any], int, dict[str, int]] | None:
     """The checkpoint rank 0 chooses: how this rank reads its state dict (inside resume's agreement on
     errors: a rank that cannot read it refuses it for all), where it came from, its meta, step and timer."""
@@ -235,7 +235,7 @@ def file_identity(path: Path) -> tuple[int, int, int, int] | None:
 
 
 def _whole_on_this_node(store: RemoteStore | None, folder: Path, step: int, source: str,
-                        pulling: Pull | None) -> None:
+                        pulling: Pull[LocalCheckpoint | None] | None) -> None:
     """The whole checkpoint rank 0 chose, in this node's folder: already there (a shared volume, or
     this node's own start-up pull, which ran alongside rank 0's), else pulled from the remote now."""
     if pulling is not None:

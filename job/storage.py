@@ -14,6 +14,7 @@ from collections.abc import Callable, Collection
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Generic, TypeVar
 
 from job.exceptions import StoppedBeforeTraining
 from job.logs import event
@@ -38,21 +39,23 @@ logger = logging.getLogger(__name__)
 
 UPLOAD_MODES = ("inprocess", "sidecar", "off")
 PULL_POLL_S = 0.2  # how often a wait for a pull looks for a stop request
+T = TypeVar("T")
 
 
-class Pull:
-    """A pull running in its own thread (RemoteStore.start_pull), whose waiter gives it up on a stop request.
+class Pull(Generic[T]):
+    """A download running in its own thread (RemoteStore.start_pull, or one of a multi-node resume's), whose
+    waiter gives it up on a stop request.
 
     Why: a SIGTERM during a start-up download (a spot node reclaimed minutes into a large pull) was only
     answered once the pull had ended, so the job outlived its grace period and was killed. Before the first
     step nothing is trained, so nothing needs saving: the waiter stops at once (exit 75), and the store's
     close aborts the download. The checkpoint stays in the bucket for the next start."""
 
-    def __init__(self, future: Future[LocalCheckpoint | None], stopped: Callable[[], str | None]) -> None:
+    def __init__(self, future: Future[T], stopped: Callable[[], str | None]) -> None:
         self._future, self._stopped = future, stopped
 
-    def result(self) -> LocalCheckpoint | None:
-        """The pulled checkpoint (None: nothing newer); its errors re-raised; StoppedBeforeTraining on a stop."""
+    def result(self) -> T:
+        """What the download returned; its errors re-raised; StoppedBeforeTraining on a stop."""
         while not wait([self._future], timeout=PULL_POLL_S).done:
             why = self._stopped()
             if why is not None:
@@ -127,18 +130,23 @@ class RemoteStore:
         return bool(self.complete_steps() or list_set_aside(self.remote))
 
     def pull_step(self, folder: Path, step: int) -> LocalCheckpoint | None:
-        """The whole, verified checkpoint of ``step`` in ``folder`` (downloaded unless it is there), or None."""
-        return pull_newest(self.remote, folder, abort=self._abort_pull, set_aside_corrupt=False, step=step)
+        """The whole, verified checkpoint of ``step`` in ``folder`` (downloaded unless it is there), or None.
+        Waited for as a Pull: a stop request ends the wait with StoppedBeforeTraining."""
+        return self._in_thread("resume-pull", lambda: pull_newest(
+            self.remote, folder, abort=self._abort_pull, set_aside_corrupt=False, step=step)).result()
 
     def newest_complete(self, below: int | None = None) -> Manifest | None:
-        """The manifest of the newest complete remote checkpoint (before step ``below``), files unchecked."""
-        found = newest_complete(self.remote, below)
+        """The manifest of the newest complete remote checkpoint (before step ``below``), files unchecked.
+        Waited for as a Pull (a listing held by a slow remote may take the retry budget)."""
+        found = self._in_thread("resume-list", lambda: newest_complete(self.remote, below)).result()
         return found[1] if found is not None else None
 
     def pull_files(self, manifest: Manifest, paths: Collection[str], dest: Path) -> int:
         """Only ``paths`` of the remote checkpoint ``manifest``, verified, into the new folder ``dest``;
-        the bytes downloaded. CorruptCheckpoint when one differs from the manifest."""
-        return pull_files(self.remote, manifest, paths, dest, abort=self._abort_pull)
+        the bytes downloaded. CorruptCheckpoint when one differs from the manifest. Waited for as a Pull:
+        a node of a multi-node resume answers a stop request at once, not when its part has downloaded."""
+        return self._in_thread("resume-pull", lambda: pull_files(
+            self.remote, manifest, paths, dest, abort=self._abort_pull)).result()
 
     def set_aside(self, manifest: Manifest, reason: str) -> None:
         """A remote checkpoint that failed verification, out of every reader's way (uploader.sync), unless
@@ -146,25 +154,33 @@ class RemoteStore:
         if self._writes:
             set_aside_if_unchanged(self.remote, manifest, reason)
 
-    def start_pull(self, folder: Path, than: int | None = None) -> Pull:
+    def start_pull(self, folder: Path, than: int | None = None) -> Pull[LocalCheckpoint | None]:
         """:meth:`pull_if_newer` in a thread, so the download overlaps building the model; ``result()``
         re-raises its errors (AuthError, BucketNotFound) where the caller is ready for them, and gives the
         pull up on a stop request (Pull)."""
-        pulled: Future[LocalCheckpoint | None] = Future()
+        def pull() -> LocalCheckpoint | None:
+            began = time.monotonic()
+            found = self.pull_if_newer(folder, than)
+            if found is not None:
+                event(logger, "resume_pulled", step=found.step, seconds=round(time.monotonic() - began, 3))
+            return found
+
+        return self._in_thread("resume-pull", pull)
+
+    def _in_thread(self, name: str, download: Callable[[], T]) -> Pull[T]:
+        """``download`` in a thread of its own, which close() aborts if it is still running: one at a time
+        (each is waited for before the next starts, or the start-up has given up)."""
+        done: Future[T] = Future()
 
         def run() -> None:
-            began = time.monotonic()
             try:
-                found = self.pull_if_newer(folder, than)
-                if found is not None:
-                    event(logger, "resume_pulled", step=found.step, seconds=round(time.monotonic() - began, 3))
-                pulled.set_result(found)
+                done.set_result(download())
             except BaseException as e:  # noqa: BLE001 - handed over through the future
-                pulled.set_exception(e)
+                done.set_exception(e)
 
-        self._pull = threading.Thread(target=run, name="resume-pull", daemon=True)
+        self._pull = threading.Thread(target=run, name=name, daemon=True)
         self._pull.start()
-        return Pull(pulled, self._stopped)
+        return Pull(done, self._stopped)
 
     @property
     def uploads(self) -> bool:

@@ -20,7 +20,8 @@ from tests.support.faultproxy import FaultProxy
 from tests.support.jobs import JobProcess, events, inspect, job_env, s3_job_env
 from tests.support.polling import wait_until
 from tests.support.s3server import Bucket, fast_config
-from uploader.local import checkpoint_name, is_node_part, list_committed
+from uploader.local import FINISHED_NAME, checkpoint_name, is_node_part, list_committed
+from uploader.manifest import DCP_METADATA
 from uploader.remote import open_remote
 from uploader.sync import list_remote, list_set_aside, pull_newest
 
@@ -231,6 +232,37 @@ def test_each_node_downloads_only_what_its_ranks_read_and_the_resume_is_bit_exac
 
 
 QUICK = ("--model", "mlp", "--max-duration", "20ba")  # the built-in model: these tests time nothing
+
+
+def test_a_stop_while_each_node_downloads_its_part_ends_every_node_at_once(
+    tmp_path: Path, s3_bucket: Bucket, fault_proxy: FaultProxy
+) -> None:
+    """A spot reclaim of both nodes while each downloads its part of the checkpoint to resume (job.node_pull):
+    nothing is trained yet, so each worker stops at once with exit 75, as one node does during its start-up
+    pull. The node downloads were waited for to their end: a held one ended with the retry budget, exit 5,
+    long after any grace period."""
+    env = s3_job_env(s3_bucket)
+    finish(two_nodes([tmp_path / "a0", tmp_path / "a1"], s3_bucket.url("run"), env, *QUICK))
+    assert complete(s3_bucket) == [10, 20]
+    fault_proxy.hold(DCP_METADATA)  # each node leader's first file of the resume
+    folders = [tmp_path / "b0", tmp_path / "b1"]
+    procs = two_nodes(folders, s3_bucket.url("run"), {**env, "JOB_ENDPOINT_URL": fault_proxy.endpoint_url},
+                      *QUICK, "--max-duration", "40ba", "--grace-period", "30")
+    try:
+        wait_until(lambda: fault_proxy.counters.held >= 2, timeout=120, what="both nodes' downloads held")
+        for proc in procs:
+            proc.signal(signal.SIGTERM)
+        for proc in procs:
+            proc.wait(240)  # torchrun itself exits 1 on SIGTERM: its workers' events say how they stopped
+    finally:
+        for proc in procs:
+            proc.kill()
+    ended = [e for p in procs for e in events(p.stderr) if e.get("event") in ("preempted", "failed", "resumed")]
+    assert [(e["event"], e["step"]) for e in ended] == [("preempted", None), ("preempted", None)], ended
+    for folder in folders:
+        assert (folder / FINISHED_NAME).exists()  # each node's sidecar may leave
+        assert list_committed(folder) == [] and not list(folder.glob(".resume-*"))  # no scratch left
+    assert complete(s3_bucket) == [10, 20]  # the checkpoint being pulled is as it was, for the next start
 
 
 def test_nodes_back_on_their_own_disks_with_no_whole_checkpoint_in_the_bucket_start_again(tmp_path: Path) -> None:
