@@ -23,7 +23,7 @@ from job.config import TrainConfig
 from job.exceptions import ConfigError
 from job.plugins import data_factory, model_factory
 from job.sharded import shard_model
-from state import Evaluator, GlobalBatchSampler, Precision, State, TimeUnit, seed_all
+from state import TIMER_LIMIT, Evaluator, GlobalBatchSampler, Precision, State, TimeUnit, seed_all
 
 logger = logging.getLogger(__name__)
 
@@ -85,15 +85,23 @@ def batch_too_large(cfg: TrainConfig, samples: int, world: int) -> ConfigError |
 
 
 def total_batches(cfg: TrainConfig, steps_per_epoch: int, global_batch: int) -> int | None:
-    """Length of the LR schedule in optimizer steps (global batches); None when it cannot be known (tokens)."""
+    """Length of the LR schedule in optimizer steps (global batches); None when it cannot be known (tokens).
+
+    ConfigError when the run would count samples past state.TIMER_LIMIT: its checkpoints would then be
+    refused as damaged at the next start (10**20ep trained, and every later start exited 6)."""
     d = cfg.max_duration
     if d.unit == TimeUnit.EPOCH:
-        return int(d.value) * steps_per_epoch
-    if d.unit == TimeUnit.BATCH:
-        return int(d.value)
-    if d.unit == TimeUnit.SAMPLE:
-        return math.ceil(int(d.value) / global_batch)
-    return None
+        steps = int(d.value) * steps_per_epoch
+    elif d.unit == TimeUnit.BATCH:
+        steps = int(d.value)
+    elif d.unit == TimeUnit.SAMPLE:
+        steps = math.ceil(int(d.value) / global_batch)
+    else:
+        return None
+    if steps * global_batch >= TIMER_LIMIT:
+        raise ConfigError(f"--max-duration {d} is {steps} steps of {global_batch} samples, beyond the 2**62 "
+                          "samples a run counts to; give a shorter one")
+    return steps
 
 
 def leave_stop_signals_to_the_job(worker_id: int) -> None:

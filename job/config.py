@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from job.schedule import Interval
-from state import SEED_LIMIT, Precision, Time, TimeUnit
+from state import SEED_LIMIT, TIMER_LIMIT, Precision, Time, TimeUnit
 
 
 # DataLoader processes per rank: more than any machine runs usefully (torch suggests one per CPU); a typo of
@@ -39,6 +39,8 @@ class TrainConfig:
             raise ValueError("--max-duration cannot be in 'dur'; use ep, ba, sp or tok")
         if self.max_duration.value <= 0:
             raise ValueError("--max-duration must be positive")
+        if self.max_duration.value >= TIMER_LIMIT:  # its checkpoints could not be resumed (state.time)
+            raise ValueError(f"--max-duration {self.max_duration} is beyond the 2**62 a run counts to")
         if self.batch_size < 1:
             raise ValueError("--batch-size must be >= 1")
         if self.grad_accum < 1 or self.batch_size % self.grad_accum:

@@ -21,7 +21,7 @@ import torch
 from job.exceptions import ADVICE, CheckpointLoadError
 from job.loop import unwrap
 from job.sharded import BUFFERS, own_buffers
-from state import SEED_LIMIT, State
+from state import SEED_LIMIT, TIMER_LIMIT, State
 from state.display import brief, clip
 from state.exceptions import StateError
 
@@ -138,11 +138,6 @@ def _plain_problem(state: State) -> str | None:
         return "its current_metrics are not a mapping of metric values"
     return None
 
-
-# A timer's counts must leave room to count on: the manifest keeps them as int64, and a count near its end
-# (2**63 - 11 samples) resumed, then wrote checkpoints that every later start refused as damaged, each start
-# going back to the same one (review). Half the range is more samples or tokens than any run will see.
-TIMER_LIMIT = 2 ** 62
 
 
 def _timer_problem(state: State, step: int, timer: Mapping[str, int]) -> str | None:

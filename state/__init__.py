@@ -11,10 +11,11 @@ from state.rng import SEED_LIMIT, capture_rng, restore_rng, seed_all
 from state.sampler import GlobalBatchSampler, ResumableBatchSampler
 from state.serializable import Serializable
 from state.state import State
-from state.time import Time, Timer, TimeUnit
+from state.time import TIMER_LIMIT, Time, Timer, TimeUnit
 
 __all__ = [
     "SEED_LIMIT",
+    "TIMER_LIMIT",
     "Evaluator",
     "Precision",
     "PrecisionError",

@@ -43,6 +43,11 @@ _TIMESTRING = re.compile(rf"^\s*(?P<value>{_NUMBER})\s*(?P<unit>[A-Za-z]+)\s*$")
 
 Number = int | float
 
+# A timer's counts must leave room to count on: a checkpoint's manifest keeps them as int64, and a count near
+# its end (2**63 - 11 samples) resumed, then wrote checkpoints that every later start refused as damaged.
+# Half the range is more samples or tokens than any run will see; a --max-duration past it is refused.
+TIMER_LIMIT = 2 ** 62
+
 
 def _is_number(value: object) -> bool:
     # bool is an int subclass, but `Time(True, "ep")` is always a bug.

@@ -31,6 +31,10 @@ def run_main(capsys, *argv: str) -> tuple[int, str, str]:
     [
         (["train", "--max-duration", "10xx"], "--max-duration"),
         (["train", "--max-duration", "0.5dur"], "dur"),
+        # Counts past 2**62 trained, then every later start refused the run's own checkpoints as damaged (review).
+        (["train", "--max-duration", "4611686018427387904tok"], "--max-duration 4611686018427387904tok is beyond"),
+        (["train", "--max-duration", "100000000000000000ba"], "is 100000000000000000 steps of 64 samples, beyond"),
+        (["train", "--max-duration", "10000000000000000ep"], "is 480000000000000000 steps of 64 samples, beyond"),
         (["train", "--device", "gpu"], "--device"),
         (["train", "--batch-size", "0"], "--batch-size"),
         (["train", "--grad-accum", "3"], "--grad-accum"),
