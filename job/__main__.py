@@ -1,3 +1,3 @@
-from job.cli import main
+from job.entry import main
 
 main()

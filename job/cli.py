@@ -25,6 +25,7 @@ import torch
 from job import distributed
 from job.config import MAX_WORKERS, CheckpointConfig, TrainConfig
 from job.distributed import DistConfig
+from job.entry import STOP_SIGNALS, stopped_before_start
 from job.exceptions import EXIT_BUG, EXIT_PREEMPTED, EXIT_USAGE, ConfigError, JobError, exit_code_for
 from job.logs import setup_logging
 from job.schedule import Interval
@@ -108,8 +109,26 @@ def resolve_device(device: str) -> str:
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.version_option(package_name="spot-trainer")
-def cli() -> None:
+@click.pass_context
+def cli(ctx: click.Context) -> None:
     """spot-trainer: PyTorch training that survives preemption."""
+    if ctx.invoked_subcommand not in STOPPED_TO_RESUME:
+        _usual_signal_handlers()
+
+
+# The command that a stop signal ends with exit 75 before its loop can answer it (job.entry). `job launch` answers
+# for itself once torchrun has started its workers (job.launch); its own rendezvous runs in C++, where a Python
+# handler would hold the signal until every node has joined.
+STOPPED_TO_RESUME = ("train",)
+
+
+def _usual_signal_handlers() -> None:
+    """Python's own SIGTERM and SIGINT handling for the other commands: job.entry's exit 75 means "stopped,
+    to be resumed", which `job inspect` or `job report` never are. Only where job.entry installed its handler."""
+    if signal.getsignal(signal.SIGTERM) is stopped_before_start:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if signal.getsignal(signal.SIGINT) is stopped_before_start:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _dump_stacks_on_sigusr1() -> None:
@@ -159,9 +178,15 @@ def _wake_only(signum: int, frame: Any) -> None:
 
 
 def _print_stacks_on_wakeup(read_fd: int, stream: Any) -> None:
+    """Also job.entry's stop before training, from here: its Python handler runs only when the main thread
+    runs Python, and torchrun's rendezvous holds it in C++ until every node has joined (the handler alone
+    would answer a SIGTERM there only after the whole wait, long past any grace period)."""
     while data := os.read(read_fd, 64):  # the numbers of the signals received, a byte each
         if signal.SIGUSR1 in data:
             faulthandler.dump_traceback(file=stream, all_threads=True)
+        for sig in STOP_SIGNALS:
+            if sig in data and signal.getsignal(sig) is stopped_before_start:  # not yet the loop's StopRequest
+                stopped_before_start(sig, None)
 
 
 def _dump_stacks_in_child(stream: Any) -> None:

@@ -14,12 +14,13 @@ import time
 from types import FrameType
 from typing import Any
 
+from job.entry import STOP_SIGNALS
 from job.exceptions import EXIT_PREEMPTED
 from job.logs import event
 
 logger = logging.getLogger(__name__)
 
-HANDLED = (signal.SIGTERM, signal.SIGINT)
+HANDLED = STOP_SIGNALS  # job.entry ends the process on them until StopRequest.install
 
 
 class StopRequest:

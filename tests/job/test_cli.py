@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from job.cli import main
+from job.entry import STOP_SIGNALS, stopped_before_start
 from tests.support.checkpoints import checkpoints_of
 from tests.support.disk import limit_file_size
 from tests.support.jobs import events, inspect, job_cmd, job_env, run_job
@@ -326,3 +328,18 @@ def test_default_run_learns(tmp_path):
     assert accuracy[-1] > 0.95 and accuracy[-1] > accuracy[0] + 0.1
     assert (tmp_path / "checkpoints").is_dir()
     assert json.loads((tmp_path / "checkpoints" / "FINISHED").read_text())["step"] == 12 * 48
+
+
+@pytest.mark.parametrize("command", [["inspect", "/nonexistent/checkpoint"], ["report", "/nonexistent/run"]])
+def test_commands_that_train_nothing_get_pythons_own_signal_handling_back(capsys, command):
+    """job.entry ends the process with exit 75 on a stop signal until training can answer it; that code means
+    "stopped, to be resumed", which `job inspect` or `job report` never are: Ctrl-C is a KeyboardInterrupt there."""
+    previous = {sig: signal.signal(sig, stopped_before_start) for sig in STOP_SIGNALS}
+    try:
+        run_main(capsys, *command)
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import re
 import signal
+import socket
 import sys
 
 import pytest
 
-from tests.support.jobs import REPO, inspect, run_job
+from tests.support.jobs import REPO, inspect, job_env, run_job
 from tests.support.metadata import MetadataServer
 from tests.support.polling import wait_until
 from uploader import local
@@ -35,6 +36,32 @@ def test_signal_checkpoints_the_current_step_and_exits_75(spawn, tmp_path, sig):
     assert preempted["uploaded"] is None  # no --remote: nothing was uploaded, and the event does not claim it
     assert inspect(folder)["step"] == preempted["step"]
     assert local.read_finished(folder) == preempted["step"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_before_training_can_answer_it_is_exit_75_at_once(spawn, tmp_path, sig):
+    """Rank 0 of two under torchrun's environment waits in the rendezvous for a rank that never comes, in C++,
+    where no Python signal handler runs: the SIGTERM of a reclaimed node killed it with 143 (a failure to
+    podFailurePolicy, not a preemption), and SIGINT ended in a traceback. Nothing is trained, nothing saved."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    folder = tmp_path / "ck"
+    proc = spawn("train", *ARGS, "--save-folder", str(folder), env=job_env(
+        WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+    wait_until(lambda: _listening(port), timeout=60, what="rank 0 waiting in the rendezvous")
+
+    proc.signal(sig)
+
+    assert proc.wait(30) == 75, proc.stderr
+    assert proc.stderr.splitlines()[-1] == (f"job: stopped by {sig.name} while no training ran: nothing to save; "
+                                            "exiting 75 (the next start resumes from the newest checkpoint)")
+    assert not folder.exists() or not any(folder.iterdir())
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def test_ctrl_c_to_the_whole_group_stops_once_with_dataloader_workers(spawn, tmp_path):
