@@ -45,7 +45,8 @@ logger = logging.getLogger(__name__)
 def option(name: str, **kwargs: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """A click option with its ``JOB_*`` environment variable and default shown in --help."""
     envvar = "JOB_" + name.split("/")[0].lstrip("-").replace("-", "_").upper()
-    return click.option(name, envvar=envvar, show_envvar=True, show_default=True, **kwargs)
+    kwargs.setdefault("show_default", "none" if kwargs.get("default", ...) is None else True)  # not a blank
+    return click.option(name, envvar=envvar, show_envvar=True, **kwargs)
 
 
 class TimeType(click.ParamType):
@@ -230,19 +231,21 @@ def _dump_stacks_in_child(stream: Any) -> None:
              "while the last is still being written is deferred to the first step after it, never waited "
              "for); sync: every checkpoint durable before training goes on.")
 @option("--resume", default="auto", help="auto (newest complete checkpoint), never, or a checkpoint folder PATH.")
-@option("--remote", default=None, help="s3://bucket/prefix or file:///path: pull on start-up, upload checkpoints.")
+@option("--remote", default=None, show_default="none: checkpoints stay in --save-folder",
+        help="s3://bucket/prefix or file:///path: pull on start-up, upload checkpoints.")
 @option("--upload", type=click.Choice(UPLOAD_MODES), default="inprocess",
         help="inprocess: upload in a background thread; sidecar: leave it to `uploader watch`; off.")
 @option("--final-upload-timeout", type=Seconds(min=0, min_open=True), default=600.0,
         help="At the end of training, seconds to wait for the final checkpoint's upload before exiting 5 "
              "(the checkpoint stays in --save-folder for the next start or a sidecar).")
-@option("--endpoint-url", default=None, help="S3 endpoint (MinIO, SeaweedFS, ...); AWS_ENDPOINT_URL is honoured too.")
+@option("--endpoint-url", default=None, show_default="AWS_ENDPOINT_URL, else AWS",
+        help="S3 endpoint (MinIO, SeaweedFS, ...).")
 @option("--addressing", type=click.Choice(ADDRESSING_STYLES), default="auto", help="S3 addressing; path for MinIO.")
 @option("--grace-period", type=Seconds(min=0), default=25.0,
         help="Seconds from SIGTERM to exit: final checkpoint and upload must fit (k8s default grace is 30 s).")
 @option("--spot-notice", type=click.Choice(["off", "aws", "gcp", "auto"]), default="off",
         help="Poll the cloud metadata server for spot interruption notices.")
-@option("--spot-endpoint", default=None, help="Metadata server base URL (default: the cloud's own).")
+@option("--spot-endpoint", default=None, show_default="the cloud's own", help="Metadata server base URL.")
 @option("--spot-poll-interval", type=Seconds(min=0.1), default=5.0, help="Seconds between notice polls.")
 @option("--log-format", type=click.Choice(["auto", "text", "json"]), default="auto",
         help="auto: text on a terminal, JSON lines otherwise.")
@@ -287,6 +290,8 @@ def train(**o: Any) -> None:
         check_endpoint(o["spot_endpoint"])
     except (ValueError, PrecisionError) as e:
         raise ConfigError(str(e)) from None
+    if speaks:
+        _warn_unused(o)
     if cfg.sharded and not dist_cfg.enabled:
         raise ConfigError("--sharded splits the model across torchrun's processes: start the job with "
                           "torchrun --nproc-per-node N (N >= 2), or drop --sharded")
@@ -317,6 +322,29 @@ def train(**o: Any) -> None:
         # At once: the kill is due, everything is written (and a write still in flight is cleaned up by the next
         # start), and the interpreter's own teardown takes about a second with torch loaded.
         exit_now(EXIT_PREEMPTED)
+
+
+# Options that only matter with another one: given without it (a typo'd variable, a manifest half-edited),
+# they did nothing and said nothing.
+NEEDS = {
+    ("remote", None): ("upload", "endpoint_url", "addressing", "final_upload_timeout"),
+    ("spot_notice", "off"): ("spot_endpoint", "spot_poll_interval"),
+}
+
+
+def _warn_unused(o: dict[str, Any]) -> None:
+    """One warning per option set (flag or JOB_* variable) that has no effect without another (NEEDS)."""
+    ctx = click.get_current_context()
+    for (needed, off), options in NEEDS.items():
+        if (o[needed] or None) != off:  # an empty --remote is none
+            continue
+        given = [name for name in options
+                 if ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)]
+        for name in given:
+            flag = "--" + name.replace("_", "-")
+            other = "--" + needed.replace("_", "-")
+            without = f"without {other}" if off is None else f"with {other} {off}"
+            logger.warning("%s has no effect %s (given as a flag or JOB_%s); ignoring it", flag, without, name.upper())
 
 
 def _resolved(flag: str, interval: Interval, max_duration: Time) -> Interval:
@@ -355,7 +383,7 @@ def launch(torchrun_args: tuple[str, ...]) -> None:
 
 @cli.command()
 @click.argument("path")
-@option("--endpoint-url", default=None, help="S3 endpoint for s3:// paths; AWS_ENDPOINT_URL is honoured too.")
+@option("--endpoint-url", default=None, show_default="AWS_ENDPOINT_URL, else AWS", help="S3 endpoint for s3:// paths.")
 @option("--addressing", type=click.Choice(ADDRESSING_STYLES), default="auto", help="S3 addressing style.")
 def inspect(path: str, endpoint_url: str | None, addressing: str) -> None:
     """Print one JSON line about a checkpoint: step, epoch, samples, model_sha256.
@@ -381,7 +409,8 @@ def inspect(path: str, endpoint_url: str | None, addressing: str) -> None:
 @option("--format", type=click.Choice(["text", "json"]), default="text", help="A table, or JSON for scripts.")
 @option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None,
         help="Also write a timeline of the lives as an SVG file (one bar per life).")
-@option("--endpoint-url", default=None, help="S3 endpoint for s3:// sources; AWS_ENDPOINT_URL is honoured too.")
+@option("--endpoint-url", default=None, show_default="AWS_ENDPOINT_URL, else AWS",
+        help="S3 endpoint for s3:// sources.")
 @option("--addressing", type=click.Choice(ADDRESSING_STYLES), default="auto", help="S3 addressing style.")
 def report(source: str, format: str, plot: Path | None, endpoint_url: str | None,  # noqa: A002 - click's name
            addressing: str) -> None:

@@ -141,7 +141,8 @@ def report_click_error(prog: str, e: click.ClickException) -> int:
 def option(*decls: str, **kwargs: Any) -> Callable[[F], F]:
     """click.option with the UPLOADER_<OPTION> environment variable, shown in --help with the default."""
     name = decls[0].lstrip("-").replace("-", "_").upper()
-    return click.option(*decls, envvar=f"UPLOADER_{name}", show_envvar=True, show_default=True, **kwargs)
+    kwargs.setdefault("show_default", "none" if kwargs.get("default", ...) is None else True)  # not a blank
+    return click.option(*decls, envvar=f"UPLOADER_{name}", show_envvar=True, **kwargs)
 
 
 class _Main(click.Group):
@@ -187,9 +188,9 @@ Exit codes: 0 ok; 1 unexpected; 2 usage; 3 auth/permission; 4 bucket missing;
 
 @click.group(cls=_Main, epilog=EPILOG,
              context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
-@option("--endpoint-url", default=None,
-        help="S3 endpoint, e.g. http://minio:9000 (default: AWS_ENDPOINT_URL, else AWS).")
-@option("--region", default=None, help="Region for signing (default: boto3's, e.g. AWS_DEFAULT_REGION).")
+@option("--endpoint-url", default=None, show_default="AWS_ENDPOINT_URL, else AWS",
+        help="S3 endpoint, e.g. http://minio:9000.")
+@option("--region", default=None, show_default="boto3's, e.g. AWS_DEFAULT_REGION", help="Region for signing.")
 @option("--addressing", type=click.Choice(ADDRESSING_STYLES), default="auto",
         help="Bucket addressing; 'path' for MinIO/SeaweedFS behind one host name.")
 @option("--max-attempts", type=click.IntRange(min=1), default=8, help="Attempts per request (1 = no retry).")

@@ -8,14 +8,17 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import click
 import pytest
 
+from job.cli import cli as job_cli
 from job.cli import main
 from job.entry import STOP_SIGNALS, stopped_before_start
 from tests.support.checkpoints import checkpoints_of
 from tests.support.disk import limit_file_size
 from tests.support.jobs import events, inspect, job_cmd, job_env, run_job
 from tests.support.users import as_nobody
+from uploader.cli import main as uploader_main
 from uploader import local
 
 TINY_ARGS = ["--max-duration", "30ba", "--batch-size", "64", "--eval-interval", "10ba", "--seed", "3"]
@@ -330,6 +333,7 @@ def test_default_run_learns(tmp_path):
     assert json.loads((tmp_path / "checkpoints" / "FINISHED").read_text())["step"] == 12 * 48
 
 
+
 @pytest.mark.parametrize("command", [["inspect", "/nonexistent/checkpoint"], ["report", "/nonexistent/run"]])
 def test_commands_that_train_nothing_get_pythons_own_signal_handling_back(capsys, command):
     """job.entry ends the process with exit 75 on a stop signal until training can answer it; that code means
@@ -343,3 +347,37 @@ def test_commands_that_train_nothing_get_pythons_own_signal_handling_back(capsys
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
+
+def test_options_that_need_another_one_say_so_when_given_without_it(tmp_path):
+    """--endpoint-url without --remote (a half-edited manifest) did nothing and said nothing; defaults stay quiet."""
+    done = run_job("train", *TINY_ARGS, "--save-folder", str(tmp_path / "ck"), "--log-format", "json",
+                   "--endpoint-url", "http://127.0.0.1:9", "--upload", "off",
+                   env=job_env(JOB_SPOT_POLL_INTERVAL="3"))
+    assert done.returncode == 0, done.stderr
+    assert [e["message"] for e in events(done.stderr) if e.get("level") == "warning"] == [
+        "--upload has no effect without --remote (given as a flag or JOB_UPLOAD); ignoring it",
+        "--endpoint-url has no effect without --remote (given as a flag or JOB_ENDPOINT_URL); ignoring it",
+        "--spot-poll-interval has no effect with --spot-notice off (given as a flag or JOB_SPOT_POLL_INTERVAL); "
+        "ignoring it",
+    ]
+    quiet = run_job("train", *TINY_ARGS, "--save-folder", str(tmp_path / "quiet"), "--log-format", "json")
+    assert quiet.returncode == 0 and not [e for e in events(quiet.stderr) if e.get("level") == "warning"]
+
+
+def _help_records(group: click.Group) -> list[tuple[str, str]]:
+    """(command, option help text) for every option of ``group`` and of its commands, as --help shows them."""
+    root = click.Context(group, info_name=group.name)
+    records = [(group.name or "", p.get_help_record(root)) for p in group.params if isinstance(p, click.Option)]
+    for name, command in group.commands.items():
+        ctx = click.Context(command, parent=root, info_name=name)
+        records += [(name, p.get_help_record(ctx)) for p in command.params if isinstance(p, click.Option)]
+    return [(where, record[1]) for where, record in records if record is not None and record[0] != "--version"]
+
+
+@pytest.mark.parametrize("group", [job_cli, uploader_main], ids=["job", "uploader"])
+def test_every_option_shows_its_environment_variable_and_its_default_in_help(group):
+    """click's own convention, this project's rule: options whose default is none said nothing at all."""
+    records = _help_records(group)
+    assert len(records) > 10
+    missing = [(where, text) for where, text in records if "env var:" not in text or "default:" not in text]
+    assert missing == []
