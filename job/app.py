@@ -302,7 +302,7 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
         eval_interval = resolve_at_start("--eval-interval", cfg.eval_interval, state, plan.global_batch)
         save_interval = resolve_at_start("--save-interval", ckpt_cfg.interval, state, plan.global_batch)
         cadence = CheckpointCadence(checkpointer, replace(ckpt_cfg, interval=save_interval))
-        if resumed is not None:
+        if resumed is not None and resumed.own:  # a --resume PATH elsewhere is not saved here yet (Resumed.own)
             cadence.last_step = state.timer.batch.value
         if ckpt_cfg.async_save:
             checkpointer.reserve(state)

@@ -230,7 +230,9 @@ def _dump_stacks_in_child(stream: Any) -> None:
         help="async: block only for a copy into host memory and write in the background (a checkpoint due "
              "while the last is still being written is deferred to the first step after it, never waited "
              "for); sync: every checkpoint durable before training goes on.")
-@option("--resume", default="auto", help="auto (newest complete checkpoint), never, or a checkpoint folder PATH.")
+@option("--resume", default="auto",
+        help="auto (newest complete checkpoint), never, or a checkpoint folder PATH to start from (until the run has "
+             "checkpoints of its own).")
 @option("--remote", default=None, show_default="none: checkpoints stay in --save-folder",
         help="s3://bucket/prefix or file:///path: pull on start-up, upload checkpoints.")
 @option("--upload", type=click.Choice(UPLOAD_MODES), default="inprocess",

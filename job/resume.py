@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -44,8 +45,14 @@ def choose(cfg: CheckpointConfig, checkpointer: Checkpointer, store: RemoteStore
     if cfg.resume == "never":  # check_new_run made sure that nothing is there to be mixed with
         return None
     if cfg.resume != "auto":
-        folder, manifest = open_checkpoint(Path(cfg.resume))
-        return folder, manifest, str(folder)
+        own = _own_newest(cfg, store)
+        if own is None:
+            folder, manifest = open_checkpoint(Path(cfg.resume))
+            return folder, manifest, str(folder)
+        logger.warning("--resume %s is not used: %s already holds this run's own checkpoints (newest step %d), and a "
+                       "restarted run goes on from its newest; to start again from %s, use a new --save-folder "
+                       "(and --remote prefix)", cfg.resume, own[0], own[1], cfg.resume)
+        cfg = replace(cfg, resume="auto")
     if pulling is None and store is not None:
         pulling = store.start_pull(cfg.folder)
     pulled = pulling.result() if pulling is not None else None
@@ -65,6 +72,23 @@ def choose(cfg: CheckpointConfig, checkpointer: Checkpointer, store: RemoteStore
         return None
     ckpt, manifest = found
     return ckpt.path, manifest, str(ckpt.path)
+
+
+def _own_newest(cfg: CheckpointConfig, store: RemoteStore | None) -> tuple[str, int] | None:
+    """Where this run's own newest complete checkpoint is and its step, unverified; None when --save-folder
+    and --remote hold none.
+
+    ``--resume PATH`` seeds a run, as Composer's ``load_path`` does beside autoresume: once the run has saved
+    a checkpoint of its own, a restart with the same flags (Kubernetes keeps JOB_RESUME) goes on from that,
+    never back to PATH, which threw away every step trained since (review 48)."""
+    committed = [c.step for c in local.list_committed(cfg.folder) if not local.is_node_part(c)]
+    remote = store.complete_steps() if store is not None else []
+    if not committed and not remote:
+        return None
+    if committed and (not remote or committed[-1] >= remote[-1]):
+        return str(cfg.folder), committed[-1]
+    assert store is not None
+    return store.url, remote[-1]
 
 
 def _refuse_to_start_over(cfg: CheckpointConfig, committed: list[LocalCheckpoint], store: RemoteStore | None) -> None:
@@ -107,10 +131,13 @@ def _resume_from_pull(store: RemoteStore, pulled: LocalCheckpoint) -> tuple[Path
 
 class Resumed(NamedTuple):
     """The checkpoint a run resumed: its manifest's meta, from which the caller plans the global batch, and
-    where it came from, which the caller's errors about it name."""
+    where it came from, which the caller's errors about it name. ``own``: it is one of this run's, in
+    --save-folder or the bucket; not a --resume PATH elsewhere, of which the run still has to save a copy
+    (job.app: the checkpoint at the end, or at a stop before the first step, is then written here)."""
 
     meta: dict[str, Any]
     source: str
+    own: bool = True
 
 
 def resume(state: State, cfg: CheckpointConfig, checkpointer: Checkpointer, meta: dict[str, Any],
@@ -132,12 +159,12 @@ def resume(state: State, cfg: CheckpointConfig, checkpointer: Checkpointer, meta
         found = node_pull.resume_from_bucket(state, cfg.folder, store, _newest_whole_local(cfg.folder), meta)
         if found is not None:
             tree, manifest, source = found
-            loaded = (lambda: tree, source, manifest.meta, manifest.step, manifest.timer)
+            loaded = (lambda: tree, source, manifest.meta, manifest.step, manifest.timer, True)  # the bucket's
     if loaded is None:
         loaded = _load_chosen(state, cfg, checkpointer, meta, store, mesh, pulling)
     if loaded is None:
         return None
-    read, source, ckpt_meta, step, timer = loaded
+    read, source, ckpt_meta, step, timer, ours = loaded
     error: str | None = None
     try:  # what is per rank can be damaged for one rank only: every rank refuses it, none trains on alone
         tree = read()
@@ -149,7 +176,7 @@ def resume(state: State, cfg: CheckpointConfig, checkpointer: Checkpointer, meta
     errors = [e for e in distributed.all_gather(error) if e is not None]
     if errors:
         raise CheckpointLoadError(error or f"{errors[0]} (seen by another rank)")
-    return Resumed(ckpt_meta, source)
+    return Resumed(ckpt_meta, source, ours)
 
 
 def announce(state: State, resumed: Resumed) -> None:
@@ -168,10 +195,11 @@ def _newest_whole_local(folder: Path) -> int:
 
 def _load_chosen(state: State, cfg: CheckpointConfig, checkpointer: Checkpointer, meta: dict[str, Any],
                  store: RemoteStore | None, mesh: DeviceMesh | None, pulling: Pull[LocalCheckpoint | None] | None,
-                 ) -> tuple[Callable[[], Any], str, dict[str, Any], int, dict[str, int]] | None:
+                 ) -> tuple[Callable[[], Any], str, dict[str, Any], int, dict[str, int], bool] | None:
     """The checkpoint rank 0 chooses: how this rank reads its state dict (inside resume's agreement on
-    errors: a rank that cannot read it refuses it for all), where it came from, its meta, step and timer."""
-    def decide() -> tuple[str, str, Manifest, Any, str] | None:
+    errors: a rank that cannot read it refuses it for all), where it came from, its meta, step and timer,
+    and whether it is in --save-folder (Resumed.own)."""
+    def decide() -> tuple[str, str, Manifest, Any, str, bool] | None:
         chosen = choose(cfg, checkpointer, store, pulling)
         if chosen is None:
             return None
@@ -183,12 +211,12 @@ def _load_chosen(state: State, cfg: CheckpointConfig, checkpointer: Checkpointer
         kind = ("sharded" if mesh is not None else
                 "file" if distributed.nodes() == 1 and not manifest.meta.get("sharded") else "full")
         identity = file_identity(folder / STATE_FILE) if kind == "file" else None
-        return kind, str(folder), manifest, identity, source
+        return kind, str(folder), manifest, identity, source, folder.resolve().parent == cfg.folder.resolve()
 
     loaded = distributed.decided_by_first(decide, "choose the checkpoint to resume")
     if loaded is None:
         return None
-    kind, where, manifest, identity, source = loaded
+    kind, where, manifest, identity, source, own = loaded
     folder = Path(where)
     if kind == "sharded" and distributed.nodes() > 1:  # every node reads the whole from its own disk
         if distributed.node_leader() and distributed.rank() != 0:
@@ -203,7 +231,7 @@ def _load_chosen(state: State, cfg: CheckpointConfig, checkpointer: Checkpointer
             # launcher without LOCAL_WORLD_SIZE, or nodes of different sizes): rank 0 sends it, as across nodes
             logger.warning("not every rank sees the checkpoint file rank 0 chose (%s): rank 0 sends it", source)
         read = _sent_by_first(folder, manifest)
-    return read, source, manifest.meta, manifest.step, manifest.timer
+    return read, source, manifest.meta, manifest.step, manifest.timer, own
 
 
 def _sent_by_first(folder: Path, manifest: Manifest) -> Callable[[], Any]:

@@ -163,3 +163,42 @@ def test_a_corrupt_newer_remote_checkpoint_does_not_pull_an_older_one_than_the_l
 
     assert resumed.timer.batch.value == 8
     assert [c.step for c in local.list_committed(folder)] == [6, 8]  # resumed step 6; neither 2 nor 4 pulled
+
+
+def test_a_run_started_from_another_folders_checkpoint_saves_it_in_its_own(tiny_config, tmp_path, straight):
+    """--resume PATH outside --save-folder counted PATH's step as saved here: started from a finished run's last
+    checkpoint, or stopped before its first step, the run ended with no checkpoint in its folder (nor in its
+    bucket), while `preempted` and FINISHED named one (review 48)."""
+    source = tmp_path / "source"
+    train_state(tiny_config(), ckpt_config(source, interval="10ba"), stop_at=30)
+
+    stopped = tmp_path / "stopped"
+    train_state(tiny_config(), ckpt_config(stopped, resume=str(source / local.checkpoint_name(30))), stop_at=30)
+    assert [c.step for c in local.list_committed(stopped)] == [30] and local.read_finished(stopped) == 30
+    assert_states_equal(straight, train_state(tiny_config(), ckpt_config(stopped)))  # and on from there
+
+    finished = tmp_path / "finished"
+    last = tmp_path / "straight" / local.checkpoint_name(70)
+    again = train_state(tiny_config(), ckpt_config(finished, resume=str(last)))
+    assert [c.step for c in local.list_committed(finished)] == [70]
+    assert_states_equal(straight, again)
+
+
+def test_a_restart_with_the_same_resume_path_goes_on_from_the_runs_own_newest(tiny_config, tmp_path, straight, caplog):
+    """Kubernetes restarts a pod with the same JOB_RESUME: every restart went back to PATH, and the steps trained
+    since were trained again (review 48). PATH seeds the run; its own checkpoints, here or in the bucket, win."""
+    source = tmp_path / "source"
+    train_state(tiny_config(), ckpt_config(source, interval="10ba"), stop_at=30)
+    path = str(source / local.checkpoint_name(30))
+    folder, bucket = tmp_path / "run", tmp_path / "bucket"
+    remote = RemoteConfig(url=f"file://{bucket}", mode="inprocess", upload=UploadConfig())
+    train_state(tiny_config(), ckpt_config(folder, interval="10ba", resume=path), stop_at=45, remote_cfg=remote)
+    shutil.rmtree(folder)  # a new node: its own checkpoints are in the bucket only
+
+    with caplog.at_level(logging.INFO):
+        resumed = train_state(tiny_config(), ckpt_config(folder, interval="10ba", resume=path), remote_cfg=remote)
+
+    assert [r.fields["step"] for r in caplog.records if getattr(r, "event", None) == "resumed"] == [45]
+    assert any(r.getMessage().startswith(f"--resume {path} is not used: file://{bucket} already holds this run's "
+                                         "own checkpoints (newest step 45)") for r in caplog.records)
+    assert_states_equal(straight, resumed)
