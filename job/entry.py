@@ -32,8 +32,8 @@ def stopped_before_start(signum: int, frame: FrameType | None) -> None:
     if not _exiting.acquire(blocking=False):
         return  # the other thread is ending the process
     name = signal.Signals(signum).name
-    os.write(2, f"job: stopped by {name} while no training ran: nothing to save; exiting {EXIT_PREEMPTED} "
-                "(the next start resumes from the newest checkpoint)\n".encode())
+    os.write(2, f"job: stopped by {name} before training started or after it ended: nothing to save; exiting "
+                f"{EXIT_PREEMPTED} (the next start resumes from the newest checkpoint)\n".encode())
     os._exit(EXIT_PREEMPTED)
 
 

@@ -44,15 +44,9 @@ def choose(cfg: CheckpointConfig, checkpointer: Checkpointer, store: RemoteStore
     """
     if cfg.resume == "never":  # check_new_run made sure that nothing is there to be mixed with
         return None
-    if cfg.resume != "auto":
-        own = _own_newest(cfg, store)
-        if own is None:
-            folder, manifest = open_checkpoint(Path(cfg.resume))
-            return folder, manifest, str(folder)
-        logger.warning("--resume %s is not used: %s already holds this run's own checkpoints (newest step %d), and a "
-                       "restarted run goes on from its newest; to start again from %s, use a new --save-folder "
-                       "(and --remote prefix)", cfg.resume, own[0], own[1], cfg.resume)
-        cfg = replace(cfg, resume="auto")
+    if cfg.resume != "auto":  # the run has no checkpoint of its own yet (seeded_or_own)
+        folder, manifest = open_checkpoint(Path(cfg.resume))
+        return folder, manifest, str(folder)
     if pulling is None and store is not None:
         pulling = store.start_pull(cfg.folder)
     pulled = pulling.result() if pulling is not None else None
@@ -74,21 +68,37 @@ def choose(cfg: CheckpointConfig, checkpointer: Checkpointer, store: RemoteStore
     return ckpt.path, manifest, str(ckpt.path)
 
 
-def _own_newest(cfg: CheckpointConfig, store: RemoteStore | None) -> tuple[str, int] | None:
-    """Where this run's own newest complete checkpoint is and its step, unverified; None when --save-folder
-    and --remote hold none.
+def seeded_or_own(cfg: CheckpointConfig, store: RemoteStore | None) -> CheckpointConfig:
+    """Collective: ``cfg`` as every rank resumes by it. ``--resume PATH`` seeds a run, as Composer's
+    ``load_path`` does beside autoresume: once the run has a checkpoint of its own in --save-folder or the
+    bucket (even one set aside as corrupt), it resumes as with ``--resume auto``.
 
-    ``--resume PATH`` seeds a run, as Composer's ``load_path`` does beside autoresume: once the run has saved
-    a checkpoint of its own, a restart with the same flags (Kubernetes keeps JOB_RESUME) goes on from that,
-    never back to PATH, which threw away every step trained since (review 48)."""
-    committed = [c.step for c in local.list_committed(cfg.folder) if not local.is_node_part(c)]
-    remote = store.complete_steps() if store is not None else []
-    if not committed and not remote:
-        return None
-    if committed and (not remote or committed[-1] >= remote[-1]):
-        return str(cfg.folder), committed[-1]
-    assert store is not None
-    return store.url, remote[-1]
+    Why: a restart with the same flags (Kubernetes keeps JOB_RESUME) went back to PATH every time and
+    trained every step since again (review 48); and a run whose own checkpoints fail verification is not
+    silently started over from PATH either: that exits 6, as it does with ``auto``. Decided by rank 0, so a
+    multi-node resume takes the same path on every rank (job.node_pull)."""
+    if cfg.resume in ("auto", "never"):
+        return cfg
+    own = distributed.decided_by_first(partial(_own_checkpoints, cfg, store), "look for the run's own checkpoints")
+    if own is None:
+        return cfg
+    where, newest = own
+    if distributed.rank() == 0 and (newest is None or Path(cfg.resume).resolve() != newest):
+        logger.warning("--resume %s is not used: %s already holds checkpoints of this run, and a restarted run goes "
+                       "on from its own newest; to start again from %s, use a new --save-folder (and --remote "
+                       "prefix)", cfg.resume, where, cfg.resume)
+    return replace(cfg, resume="auto")
+
+
+def _own_checkpoints(cfg: CheckpointConfig, store: RemoteStore | None) -> tuple[str, Path | None] | None:
+    """Where the run's own checkpoints are (committed, or set aside as corrupt), and its newest local one;
+    None where --save-folder and --remote hold none. Unverified: ``auto`` verifies what it resumes."""
+    committed = [c for c in local.list_committed(cfg.folder) if not local.is_node_part(c)]
+    if committed or local.list_set_aside(cfg.folder):
+        return str(cfg.folder), committed[-1].path.resolve() if committed else None
+    if store is not None and store.holds_checkpoints():
+        return store.url, None
+    return None
 
 
 def _refuse_to_start_over(cfg: CheckpointConfig, committed: list[LocalCheckpoint], store: RemoteStore | None) -> None:
@@ -154,6 +164,7 @@ def resume(state: State, cfg: CheckpointConfig, checkpointer: Checkpointer, meta
     (job.node_pull).
     """
     own = own_settings(state)  # before a sharded read loads the checkpoint's optimizer settings into state
+    cfg = seeded_or_own(cfg, store)
     loaded = None
     if mesh is not None and distributed.nodes() > 1 and cfg.resume == "auto":
         found = node_pull.resume_from_bucket(state, cfg.folder, store, _newest_whole_local(cfg.folder), meta)
@@ -211,7 +222,8 @@ def _load_chosen(state: State, cfg: CheckpointConfig, checkpointer: Checkpointer
         kind = ("sharded" if mesh is not None else
                 "file" if distributed.nodes() == 1 and not manifest.meta.get("sharded") else "full")
         identity = file_identity(folder / STATE_FILE) if kind == "file" else None
-        return kind, str(folder), manifest, identity, source, folder.resolve().parent == cfg.folder.resolve()
+        own = any(c.path.resolve() == folder.resolve() for c in local.list_committed(cfg.folder))
+        return kind, str(folder), manifest, identity, source, own
 
     loaded = distributed.decided_by_first(decide, "choose the checkpoint to resume")
     if loaded is None:
@@ -219,9 +231,14 @@ def _load_chosen(state: State, cfg: CheckpointConfig, checkpointer: Checkpointer
     kind, where, manifest, identity, source, own = loaded
     folder = Path(where)
     if kind == "sharded" and distributed.nodes() > 1:  # every node reads the whole from its own disk
+        failed: Exception | None = None
         if distributed.node_leader() and distributed.rank() != 0:
-            _whole_on_this_node(store, folder.parent, manifest.step, source, pulling)
-        distributed.barrier()
+            try:
+                _whole_on_this_node(store, folder.parent, manifest.step, source, pulling)
+            except Exception as e:  # noqa: BLE001 - raised on every rank by raise_together, with its exit code
+                failed = e
+        # Not a barrier: a node's failure or stop (exit 75) ends every rank with its code, not rank 0 with a bug.
+        distributed.raise_together(failed, "bring the checkpoint to its node")
     if kind == "sharded":
         read: Callable[[], Any] = partial(load_shard, folder, manifest, state)
     elif kind == "file" and not distributed.agree(file_identity(folder / STATE_FILE) != identity)[0]:  # all ranks

@@ -126,8 +126,10 @@ class RemoteStore:
         return [c.step for c in list_remote(self.remote) if c.complete]
 
     def holds_checkpoints(self) -> bool:
-        """Whether the prefix has a run's history: complete checkpoints, or ones set aside as corrupt."""
-        return bool(self.complete_steps() or list_set_aside(self.remote))
+        """Whether the prefix has a run's history: complete checkpoints, or ones set aside as corrupt. Waited
+        for as a Pull: a start-up's listing held by a slow remote answers a stop request at once."""
+        return self._in_thread("resume-list", lambda: bool(self.complete_steps() or list_set_aside(self.remote))
+                               ).result()
 
     def pull_step(self, folder: Path, step: int) -> LocalCheckpoint | None:
         """The whole, verified checkpoint of ``step`` in ``folder`` (downloaded unless it is there), or None.

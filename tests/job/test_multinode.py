@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.faultproxy import FaultProxy
-from tests.support.jobs import JobProcess, events, inspect, job_env, s3_job_env
+from tests.support.jobs import REPO, JobProcess, events, inspect, job_env, s3_job_env
 from tests.support.polling import wait_until
 from tests.support.s3server import Bucket, fast_config
 from uploader.local import FINISHED_NAME, checkpoint_name, is_node_part, list_committed
@@ -40,12 +40,14 @@ def free_port() -> int:
 
 
 def node(i: int, nodes: int, endpoint: str, run_id: str, folder: Path, remote: str | None, env: dict[str, str],
-         mode: list[str], per_node: int = 1) -> JobProcess:
+         mode: list[str], per_node: int = 1, cwd: Path | None = None) -> JobProcess:
+    """``cwd`` with a relative ``folder``: a path that names another folder on each node, as on two machines."""
     argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--node-rank", str(i),
             "--nproc-per-node", str(per_node), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
             "--rdzv-id", run_id, "-m", "job", "train", *ARGS, *mode, "--save-folder", str(folder),
             *(["--remote", remote] if remote is not None else [])]
-    return JobProcess(argv, env=env)
+    return JobProcess(argv, env={**env, "PYTHONPATH": str(REPO)} if cwd is not None else env,
+                      **({"cwd": cwd} if cwd is not None else {}))
 
 
 def bucket_object(bucket: Bucket, key: str) -> bytes:
@@ -263,6 +265,64 @@ def test_a_stop_while_each_node_downloads_its_part_ends_every_node_at_once(
         assert (folder / FINISHED_NAME).exists()  # each node's sidecar may leave
         assert list_committed(folder) == [] and not list(folder.glob(".resume-*"))  # no scratch left
     assert complete(s3_bucket) == [10, 20]  # the checkpoint being pulled is as it was, for the next start
+
+
+def test_a_restart_with_the_same_resume_path_still_downloads_only_each_nodes_part(
+    tmp_path: Path, s3_bucket: Bucket
+) -> None:
+    """--resume PATH seeds a run; restarted with the same flags once the bucket holds the run's own, it resumes
+    those through job.node_pull like --resume auto. Rank 0 alone had switched to auto, past node_pull: it
+    downloaded the whole checkpoint, and every other node did too (review 49)."""
+    env = s3_job_env(s3_bucket)
+    finish(two_nodes([tmp_path / "a0", tmp_path / "a1"], s3_bucket.url("run"), env, *QUICK))
+    remote = open_remote(s3_bucket.url("run"), fast_config(s3_bucket.endpoint_url))
+    try:
+        seed = pull_newest(remote, tmp_path / "seed", step=10)
+    finally:
+        remote.close()
+    assert seed is not None
+
+    done = finish(two_nodes([tmp_path / "b0", tmp_path / "b1"], s3_bucket.url("run"), env, *QUICK[:2],
+                            "--max-duration", "30ba", "--resume", str(seed.path)))
+
+    assert sorted((e["node"], e["step"]) for e in done if e.get("event") == "pulled") == [(0, 20), (1, 20)]
+    assert [e["step"] for e in done if e.get("event") == "resumed"] == [20, 20]
+    assert any(e.get("message", "").startswith(f"--resume {seed.path} is not used") for e in done)
+
+
+def test_a_stop_while_another_node_pulls_the_whole_checkpoint_ends_every_rank_with_75(
+    tmp_path: Path, s3_bucket: Bucket, fault_proxy: FaultProxy
+) -> None:
+    """Node 0 holds the newest whole checkpoint; node 1 downloads it from the bucket (job.resume
+    _whole_on_this_node) and is reclaimed meanwhile. Its stop ended rank 0, waiting in a barrier, with
+    "unexpected error (a bug)" and exit 1 (review 49); now every rank ends as the stopped node does."""
+    env = s3_job_env(s3_bucket)
+    finish(two_nodes([tmp_path / "a0", tmp_path / "a1"], s3_bucket.url("run"), env, *QUICK))
+    remote = open_remote(s3_bucket.url("run"), fast_config(s3_bucket.endpoint_url))
+    disks = [tmp_path / "disk0", tmp_path / "disk1"]  # ck names another folder on each node
+    try:
+        assert pull_newest(remote, disks[0] / "ck") is not None  # node 0's disk holds step 20 whole
+    finally:
+        remote.close()
+    disks[1].mkdir()
+    fault_proxy.hold(".distcp")
+    endpoint, run_id = f"127.0.0.1:{free_port()}", uuid.uuid4().hex[:8]
+    envs = (env, {**env, "JOB_ENDPOINT_URL": fault_proxy.endpoint_url})
+    procs = [node(i, 2, endpoint, run_id, Path("ck"), s3_bucket.url("run"), envs[i],
+                  ["--sharded", *QUICK[:2], "--max-duration", "40ba", "--grace-period", "30"], cwd=disks[i])
+             for i in range(2)]
+    try:
+        wait_until(lambda: fault_proxy.counters.held > 0, timeout=120, what="node 1's download held")
+        procs[1].signal(signal.SIGTERM)
+        for proc in procs:
+            proc.wait(120)
+    finally:
+        for proc in procs:
+            proc.kill()
+    ended = [(e["event"], e["step"]) for p in procs for e in events(p.stderr) if e.get("event") in ("preempted",
+                                                                                                "resumed")]
+    assert ended == [("preempted", None), ("preempted", None)], procs[0].stderr[-3000:]
+    assert "unexpected error" not in procs[0].stderr
 
 
 def test_nodes_back_on_their_own_disks_with_no_whole_checkpoint_in_the_bucket_start_again(tmp_path: Path) -> None:

@@ -54,8 +54,9 @@ def test_a_signal_before_training_can_answer_it_is_exit_75_at_once(spawn, tmp_pa
     proc.signal(sig)
 
     assert proc.wait(30) == 75, proc.stderr
-    assert proc.stderr.splitlines()[-1] == (f"job: stopped by {sig.name} while no training ran: nothing to save; "
-                                            "exiting 75 (the next start resumes from the newest checkpoint)")
+    assert proc.stderr.splitlines()[-1] == (f"job: stopped by {sig.name} before training started or after it ended: "
+                                            "nothing to save; exiting 75 (the next start resumes from the newest "
+                                            "checkpoint)")
     assert not folder.exists() or not any(folder.iterdir())
 
 

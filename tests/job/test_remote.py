@@ -183,6 +183,24 @@ def test_sigterm_uploads_the_final_checkpoint_before_exit(spawn, tmp_path, s3_bu
     assert max(remote_steps(s3_bucket)) == preempted["step"]
 
 
+def test_sigterm_while_a_seeded_start_lists_the_bucket_exits_75_at_once(spawn, tmp_path, s3_bucket, fault_proxy):
+    """--resume PATH with a --remote first asks the bucket whether the run has checkpoints of its own (job.resume
+    seeded_or_own). That listing was not abandoned on a stop: a held one outlived the grace period (review 49)."""
+    env, seed = s3_job_env(s3_bucket), tmp_path / "seed"
+    assert run_job("train", *ARGS, "--max-duration", "20ba", "--save-folder", str(seed), env=env).returncode == 0
+    fault_proxy.hold("list-type=2")
+    proc = spawn("train", *ARGS, "--max-duration", "40ba", "--save-folder", str(tmp_path / "ck"), "--remote",
+                 s3_bucket.url("run"), "--resume", str(seed / local.checkpoint_name(20)), "--grace-period", "30",
+                 env={**env, "JOB_ENDPOINT_URL": fault_proxy.endpoint_url})
+    wait_until(lambda: fault_proxy.counters.held > 0, timeout=120, what="the bucket's listing held")
+
+    proc.signal(signal.SIGTERM)
+
+    assert proc.wait(60) == 75, proc.stderr
+    assert proc.wait_event("preempted")["step"] is None
+    assert not any(e.get("event") in ("resumed", "start") for e in proc.events)
+
+
 @pytest.mark.parametrize("second_pull", [False, True], ids=["start-up-pull", "pull-after-a-corrupt-local-one"])
 def test_sigterm_during_the_start_up_download_exits_75_at_once(spawn, tmp_path, s3_bucket, fault_proxy, second_pull):
     """Nothing is trained before the first step, so a stop while the checkpoint to resume downloads has nothing

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from job.exceptions import ConfigError
+from job.exceptions import CheckpointLoadError, ConfigError
 from job.storage import RemoteConfig
 from tests.support.checkpoints import checkpoints_of, corrupt_file
 from tests.support.elastic import TORCHRUN
@@ -199,6 +199,32 @@ def test_a_restart_with_the_same_resume_path_goes_on_from_the_runs_own_newest(ti
         resumed = train_state(tiny_config(), ckpt_config(folder, interval="10ba", resume=path), remote_cfg=remote)
 
     assert [r.fields["step"] for r in caplog.records if getattr(r, "event", None) == "resumed"] == [45]
-    assert any(r.getMessage().startswith(f"--resume {path} is not used: file://{bucket} already holds this run's "
-                                         "own checkpoints (newest step 45)") for r in caplog.records)
+    assert any(r.getMessage().startswith(f"--resume {path} is not used: file://{bucket} already holds checkpoints "
+                                         "of this run") for r in caplog.records)
     assert_states_equal(straight, resumed)
+
+
+
+def test_a_seed_inside_the_save_folder_that_is_no_checkpoint_of_it_is_saved_there_too(tiny_config, tmp_path, straight):
+    """--resume PATH inside --save-folder, but not one of its checkpoints (a copy under another name), counted as
+    saved: the run ended with none of its own (review 49)."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    shutil.copytree(tmp_path / "straight" / local.checkpoint_name(70), folder / "seed")
+    again = train_state(tiny_config(), ckpt_config(folder, resume=str(folder / "seed")))
+    assert [c.step for c in local.list_committed(folder)] == [70]
+    assert_states_equal(straight, again)
+
+
+def test_a_run_whose_own_checkpoints_fail_is_not_started_over_from_its_seed(tiny_config, tmp_path):
+    """Its own newest failed verification: the first start exited 6, and the same command then went back to PATH
+    in silence, its steps since lost (review 49). Every start now refuses alike, as with --resume auto."""
+    source = tmp_path / "source"
+    train_state(tiny_config(), ckpt_config(source, interval="10ba"), stop_at=30)
+    folder, path = tmp_path / "run", str(source / local.checkpoint_name(30))
+    train_state(tiny_config(), ckpt_config(folder, resume=path), stop_at=40)
+    corrupt_file(folder / local.checkpoint_name(40) / "state.pt")
+    for _ in range(2):
+        with pytest.raises(CheckpointLoadError, match="verif"):  # none verifies; then: set aside as failed
+            train_state(tiny_config(), ckpt_config(folder, resume=path))
+    assert local.list_committed(folder) == [] and len(local.list_set_aside(folder)) == 1
