@@ -12,6 +12,7 @@ import signal
 import socket
 import sys
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -74,15 +75,7 @@ def test_two_nodes_without_a_shared_volume_checkpoint_through_the_bucket_and_res
     endpoint, run_id = f"127.0.0.1:{free_port()}", uuid.uuid4().hex[:8]
     folders = [tmp_path / f"node{i}" for i in range(2)]
     procs = [node(i, 2, endpoint, run_id, folders[i], remote, env, mode) for i in range(2)]
-    try:
-        procs[0].wait_event("checkpoint", lambda e: e["step"] >= 20, timeout=240)
-        for proc in procs:
-            proc.signal(signal.SIGTERM)
-        for proc in procs:
-            proc.wait(240)
-    finally:
-        for proc in procs:
-            proc.kill()
+    stop_when(procs, lambda: procs[0].wait_event("checkpoint", lambda e: e["step"] >= 20, timeout=240))
     stopped = [e for p in procs for e in events(p.stderr) if e.get("event") == "preempted"]
     assert len(stopped) >= 1 and len({e["checkpoint_step"] for e in stopped}) == 1, procs[0].stderr[-3000:]
     stop_step = stopped[0]["checkpoint_step"]
@@ -151,6 +144,20 @@ def two_nodes(folders: list[Path], remote: str | None, env: dict[str, str], *fla
     return [node(i, 2, endpoint, run_id, folders[i], remote, env, ["--sharded", *flags]) for i in range(2)]
 
 
+def stop_when(procs: list[JobProcess], ready: Callable[[], object], which: list[JobProcess] | None = None) -> None:
+    """Once ``ready()`` returns, SIGTERM to the launchers ``which`` (all by default), and every launcher waited
+    for: torchrun itself exits 1 on SIGTERM, its workers' events say how they stopped. None outlives this."""
+    try:
+        ready()
+        for proc in procs if which is None else which:
+            proc.signal(signal.SIGTERM)
+        for proc in procs:
+            proc.wait(240)
+    finally:
+        for proc in procs:
+            proc.kill()
+
+
 def finish(procs: list[JobProcess]) -> list[dict]:
     """Wait for every launcher to exit 0; their events."""
     try:
@@ -185,15 +192,7 @@ def test_each_node_downloads_only_what_its_ranks_read_and_the_resume_is_bit_exac
     assert not [e for e in straight if e.get("event") == "resumed"]
 
     procs = two_nodes([tmp_path / "a0", tmp_path / "a1"], s3_bucket.url("run"), env)
-    try:
-        procs[0].wait_event("checkpoint", lambda e: e["step"] >= 20, timeout=240)
-        for proc in procs:
-            proc.signal(signal.SIGTERM)
-        for proc in procs:
-            proc.wait(240)  # torchrun itself exits 1 on SIGTERM: its workers' events say how they stopped
-    finally:
-        for proc in procs:
-            proc.kill()
+    stop_when(procs, lambda: procs[0].wait_event("checkpoint", lambda e: e["step"] >= 20, timeout=240))
     stopped = [e for p in procs for e in events(p.stderr) if e.get("event") == "preempted"]
     assert stopped and len({e["checkpoint_step"] for e in stopped}) == 1, procs[0].stderr[-3000:]
     stop_step = stopped[0]["checkpoint_step"]
@@ -250,15 +249,8 @@ def test_a_stop_while_each_node_downloads_its_part_ends_every_node_at_once(
     folders = [tmp_path / "b0", tmp_path / "b1"]
     procs = two_nodes(folders, s3_bucket.url("run"), {**env, "JOB_ENDPOINT_URL": fault_proxy.endpoint_url},
                       *QUICK, "--max-duration", "40ba", "--grace-period", "30")
-    try:
-        wait_until(lambda: fault_proxy.counters.held >= 2, timeout=120, what="both nodes' downloads held")
-        for proc in procs:
-            proc.signal(signal.SIGTERM)
-        for proc in procs:
-            proc.wait(240)  # torchrun itself exits 1 on SIGTERM: its workers' events say how they stopped
-    finally:
-        for proc in procs:
-            proc.kill()
+    stop_when(procs, lambda: wait_until(lambda: fault_proxy.counters.held >= 2, timeout=120,
+                                        what="both nodes' downloads held"))
     ended = [e for p in procs for e in events(p.stderr) if e.get("event") in ("preempted", "failed", "resumed")]
     assert [(e["event"], e["step"]) for e in ended] == [("preempted", None), ("preempted", None)], ended
     for folder in folders:
@@ -311,14 +303,8 @@ def test_a_stop_while_another_node_pulls_the_whole_checkpoint_ends_every_rank_wi
     procs = [node(i, 2, endpoint, run_id, Path("ck"), s3_bucket.url("run"), envs[i],
                   ["--sharded", *QUICK[:2], "--max-duration", "40ba", "--grace-period", "30"], cwd=disks[i])
              for i in range(2)]
-    try:
-        wait_until(lambda: fault_proxy.counters.held > 0, timeout=120, what="node 1's download held")
-        procs[1].signal(signal.SIGTERM)
-        for proc in procs:
-            proc.wait(120)
-    finally:
-        for proc in procs:
-            proc.kill()
+    stop_when(procs, lambda: wait_until(lambda: fault_proxy.counters.held > 0, timeout=120,
+                                        what="node 1's download held"), which=procs[1:])
     ended = [(e["event"], e["step"]) for p in procs for e in events(p.stderr) if e.get("event") in ("preempted",
                                                                                                 "resumed")]
     assert ended == [("preempted", None), ("preempted", None)], procs[0].stderr[-3000:]
