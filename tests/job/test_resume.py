@@ -194,6 +194,7 @@ def test_a_restart_with_the_same_resume_path_goes_on_from_the_runs_own_newest(ti
     remote = RemoteConfig(url=f"file://{bucket}", mode="inprocess", upload=UploadConfig())
     train_state(tiny_config(), ckpt_config(folder, interval="10ba", resume=path), stop_at=45, remote_cfg=remote)
     shutil.rmtree(folder)  # a new node: its own checkpoints are in the bucket only
+    caplog.clear()  # the first life's records too, where an earlier test's setup_logging left job's loggers at INFO
 
     with caplog.at_level(logging.INFO):
         resumed = train_state(tiny_config(), ckpt_config(folder, interval="10ba", resume=path), remote_cfg=remote)
