@@ -126,10 +126,9 @@ STOPPED_TO_RESUME = ("train",)
 def _usual_signal_handlers() -> None:
     """Python's own SIGTERM and SIGINT handling for the other commands: job.entry's exit 75 means "stopped,
     to be resumed", which `job inspect` or `job report` never are. Only where job.entry installed its handler."""
-    if signal.getsignal(signal.SIGTERM) is stopped_before_start:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    if signal.getsignal(signal.SIGINT) is stopped_before_start:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig, usual in ((signal.SIGTERM, signal.SIG_DFL), (signal.SIGINT, signal.default_int_handler)):
+        if signal.getsignal(sig) is stopped_before_start:
+            signal.signal(sig, usual)
 
 
 def _dump_stacks_on_sigusr1() -> None:
@@ -342,10 +341,10 @@ def _warn_unused(o: dict[str, Any]) -> None:
             continue
         given = [name for name in options
                  if ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)]
+        other = "--" + needed.replace("_", "-")
+        without = f"without {other}" if off is None else f"with {other} {off}"
         for name in given:
             flag = "--" + name.replace("_", "-")
-            other = "--" + needed.replace("_", "-")
-            without = f"without {other}" if off is None else f"with {other} {off}"
             logger.warning("%s has no effect %s (given as a flag or JOB_%s); ignoring it", flag, without, name.upper())
 
 

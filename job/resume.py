@@ -222,8 +222,9 @@ def _load_chosen(state: State, cfg: CheckpointConfig, checkpointer: Checkpointer
         kind = ("sharded" if mesh is not None else
                 "file" if distributed.nodes() == 1 and not manifest.meta.get("sharded") else "full")
         identity = file_identity(folder / STATE_FILE) if kind == "file" else None
-        own = any(c.path.resolve() == folder.resolve() for c in local.list_committed(cfg.folder))
-        return kind, str(folder), manifest, identity, source, own
+        # After seeded_or_own a PATH is left only where --save-folder holds no checkpoint: auto's choice is always
+        # one of the folder's (local, or pulled into it), PATH's never.
+        return kind, str(folder), manifest, identity, source, cfg.resume == "auto"
 
     loaded = distributed.decided_by_first(decide, "choose the checkpoint to resume")
     if loaded is None:
