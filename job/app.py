@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 from job.build import build, refit_schedule
-from job import distributed, elastic
+from job import distributed, elastic, leavable
 from job.checkpoint import Checkpointer, check_nodes_can_resume, claim_folder
 from job.curves import recording
 from job.config import CheckpointConfig, TrainConfig
@@ -260,7 +260,9 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
     if cfg.sharded:
         remote = remote_cfg is not None and bool(remote_cfg.url)
         check_nodes_can_resume(ckpt_cfg.folder, remote, remote and remote_cfg is not None and remote_cfg.mode != "off")
-    store = (RemoteStore(remote_cfg, ckpt_cfg.folder, stopped=lambda: stop.reason)
+    leavable.leave_on(lambda: stop.reason)  # until the first step, a stopped rank leaves waits for the others
+    # A download gives up on a stop here, or where another rank left a wait (job.leavable).
+    store = (RemoteStore(remote_cfg, ckpt_cfg.folder, stopped=lambda: stop.reason or leavable.left())
              if (leader or node_uploads) and remote_cfg is not None and remote_cfg.url else None)
     # The newest remote checkpoint downloads while the model is built: a resume waits for the larger one.
     # Sharded on several nodes, each node downloads later, once the model says what its ranks read (job.node_pull).
@@ -306,6 +308,7 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
             cadence.last_step = state.timer.batch.value
         if ckpt_cfg.async_save:
             checkpointer.reserve(state)
+        leavable.leave_on(None)  # from here a stop is answered with a checkpoint (the per-step agree)
         spot_handler = SpotHandler(spot, stop) if spot is not None else None
         stopping = False
 
@@ -376,6 +379,7 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
             _mark_failed(ckpt_cfg.folder)
         raise
     finally:
+        leavable.leave_on(None)
         curves.close()
         if life is not None:
             life.close()

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from job import leavable
 from job.exceptions import OtherRankError, exit_code_for
 from job.safe_load import first_line
 
@@ -83,10 +84,11 @@ def init(cfg: DistConfig, device: str) -> None:
     backend, timeout = ("nccl" if device == "cuda" else "gloo"), datetime.timedelta(seconds=cfg.timeout_s)
     # Seen with torch 2.13: after an elastic restart, gloo read the previous group's peer addresses from
     # the launcher's store (connection refused, every round). A namespace per restart keeps them apart.
-    store = dist.TCPStore(cfg.master_addr, cfg.master_port, cfg.world_size,
-                          is_master=not cfg.agent_store and cfg.rank == 0, timeout=timeout)
-    dist.init_process_group(backend, store=dist.PrefixStore(f"/spot-trainer/attempt_{cfg.attempt}", store),
-                            rank=cfg.rank, world_size=cfg.world_size, timeout=timeout)
+    store = dist.PrefixStore(f"/spot-trainer/attempt_{cfg.attempt}", dist.TCPStore(
+        cfg.master_addr, cfg.master_port, cfg.world_size, is_master=not cfg.agent_store and cfg.rank == 0,
+        timeout=timeout))
+    dist.init_process_group(backend, store=store, rank=cfg.rank, world_size=cfg.world_size, timeout=timeout)
+    leavable.use(store, cfg.rank, cfg.world_size, cfg.timeout_s)
 
 
 def shutdown() -> None:
@@ -188,6 +190,13 @@ def all_gather(obj: Any) -> list[Any]:
     return everyone
 
 
+def gather_leavable(obj: Any, what: str) -> list[Any]:
+    """:func:`all_gather` after work that may take one rank minutes: before training, a rank stopped
+    while it waits for that one leaves the wait, and so do the others (job.leavable)."""
+    leavable.arrive(what)
+    return all_gather(obj)
+
+
 def broadcast_choice(obj: Any) -> Any:
     """Rank 0's value on every rank (the resume decision, or the loaded checkpoint itself)."""
     if not active():
@@ -208,6 +217,7 @@ def decided_by_first(decide: Callable[[], T], what: str) -> T:
             value = decide()
         except Exception as e:  # noqa: BLE001 - raised below, once every rank has heard of it
             failed = e
+    leavable.arrive(what)  # before training, a rank stopped while rank 0 decides leaves here (job.leavable)
     value, why = broadcast_choice((value, _why(failed)))
     if failed is not None:
         raise failed
@@ -221,7 +231,7 @@ def raise_together(error: BaseException | None, what: str) -> None:
     failing rank's, as an OtherRankError with its exit code. For work one rank does alone (rank 0 writes
     the replicated checkpoint), whose failure the others would otherwise meet as a closed connection at
     their next collective (exit 1, a traceback) instead of the documented exit code."""
-    whys = all_gather(_why(error))
+    whys = gather_leavable(_why(error), what)
     if error is not None:
         raise error
     for failed_rank, why in enumerate(whys):

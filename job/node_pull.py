@@ -128,7 +128,7 @@ def _agree_on(step: Any) -> str | None:
     except Exception as e:  # noqa: BLE001 - raised below, after every rank has heard of it
         error = e
     failure = (f"{type(error).__name__}: {error}", exit_code_for(error)) if error is not None else None
-    outcomes = distributed.all_gather((corrupt, failure))
+    outcomes = distributed.gather_leavable((corrupt, failure), "download their parts of the checkpoint")
     if error is not None:
         raise error
     failed = [f for _, f in outcomes if f is not None]

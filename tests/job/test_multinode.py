@@ -259,6 +259,35 @@ def test_a_stop_while_each_node_downloads_its_part_ends_every_node_at_once(
     assert complete(s3_bucket) == [10, 20]  # the checkpoint being pulled is as it was, for the next start
 
 
+def test_a_node_stopped_while_another_still_downloads_its_part_ends_every_node_at_once(
+    tmp_path: Path, s3_bucket: Bucket, fault_proxy: FaultProxy
+) -> None:
+    """Node 0 has its part of the checkpoint and waits for node 1's, held in the bucket, when node 0 alone is
+    reclaimed (job.node_pull). It waited in gloo's collective, where no signal handler runs, until node 1's
+    download gave up: exit 5, minutes past the grace period (review 49, defect 6). Now node 0 leaves the wait
+    at once, and node 1 gives its download up on hearing it: both exit 75, nothing trained, the bucket as
+    it was."""
+    env = s3_job_env(s3_bucket)
+    finish(two_nodes([tmp_path / "a0", tmp_path / "a1"], s3_bucket.url("run"), env, *QUICK))
+    fault_proxy.hold("__1_0.distcp")  # node 1's shard: node 0 reads only its own and the metadata
+    folders = [tmp_path / "b0", tmp_path / "b1"]
+    procs = two_nodes(folders, s3_bucket.url("run"), {**env, "JOB_ENDPOINT_URL": fault_proxy.endpoint_url},
+                      *QUICK, "--max-duration", "40ba", "--grace-period", "30")
+    def node_0_waits() -> bool:
+        return bool(fault_proxy.counters.held) and any("__0_0.distcp" in line
+                                                       for line in fault_proxy.counters.request_lines)
+
+    stop_when(procs, lambda: wait_until(node_0_waits, timeout=120, what="node 0's part asked for, node 1's held"),
+              which=procs[:1])
+    ended = [(e["event"], e["step"]) for p in procs for e in events(p.stderr) if e.get("event") in ("preempted",
+                                                                                                "resumed", "failed")]
+    assert ended == [("preempted", None), ("preempted", None)], procs[1].stderr[-3000:]
+    assert fault_proxy.counters.held == 1  # node 1 gave its download up at once: never timed out and asked again
+    for folder in folders:
+        assert (folder / FINISHED_NAME).exists() and not list(folder.glob(".resume-*"))
+    assert complete(s3_bucket) == [10, 20]
+
+
 def test_a_restart_with_the_same_resume_path_still_downloads_only_each_nodes_part(
     tmp_path: Path, s3_bucket: Bucket
 ) -> None:
@@ -282,12 +311,15 @@ def test_a_restart_with_the_same_resume_path_still_downloads_only_each_nodes_par
     assert any(e.get("message", "").startswith(f"--resume {seed.path} is not used") for e in done)
 
 
+@pytest.mark.parametrize("reclaimed", [1, 0], ids=["the-pulling-node", "the-waiting-node"])
 def test_a_stop_while_another_node_pulls_the_whole_checkpoint_ends_every_rank_with_75(
-    tmp_path: Path, s3_bucket: Bucket, fault_proxy: FaultProxy
+    tmp_path: Path, s3_bucket: Bucket, fault_proxy: FaultProxy, reclaimed: int
 ) -> None:
     """Node 0 holds the newest whole checkpoint; node 1 downloads it from the bucket (job.resume
-    _whole_on_this_node) and is reclaimed meanwhile. Its stop ended rank 0, waiting in a barrier, with
-    "unexpected error (a bug)" and exit 1 (review 49); now every rank ends as the stopped node does."""
+    _whole_on_this_node), and one of them is reclaimed meanwhile. Node 1's stop ended rank 0, waiting in a
+    barrier, with "unexpected error (a bug)" and exit 1 (review 49). Node 0's stop went unanswered while it
+    waited in gloo's collective, until node 1's held download gave up: exit 5, minutes past any grace period
+    (review 49, defect 6). Now every rank ends as the stopped node does, and at once (job.leavable)."""
     env = s3_job_env(s3_bucket)
     finish(two_nodes([tmp_path / "a0", tmp_path / "a1"], s3_bucket.url("run"), env, *QUICK))
     remote = open_remote(s3_bucket.url("run"), fast_config(s3_bucket.endpoint_url))
@@ -304,11 +336,12 @@ def test_a_stop_while_another_node_pulls_the_whole_checkpoint_ends_every_rank_wi
                   ["--sharded", *QUICK[:2], "--max-duration", "40ba", "--grace-period", "30"], cwd=disks[i])
              for i in range(2)]
     stop_when(procs, lambda: wait_until(lambda: fault_proxy.counters.held > 0, timeout=120,
-                                        what="node 1's download held"), which=procs[1:])
+                                        what="node 1's download held"), which=[procs[reclaimed]])
     ended = [(e["event"], e["step"]) for p in procs for e in events(p.stderr) if e.get("event") in ("preempted",
-                                                                                                "resumed")]
-    assert ended == [("preempted", None), ("preempted", None)], procs[0].stderr[-3000:]
+                                                                                                "resumed", "failed")]
+    assert ended == [("preempted", None), ("preempted", None)], procs[1 - reclaimed].stderr[-3000:]
     assert "unexpected error" not in procs[0].stderr
+    assert fault_proxy.counters.held == 1  # node 1 gave its download up at once: never timed out and asked again
 
 
 def test_nodes_back_on_their_own_disks_with_no_whole_checkpoint_in_the_bucket_start_again(tmp_path: Path) -> None:
