@@ -117,10 +117,10 @@ def cli(ctx: click.Context) -> None:
         _usual_signal_handlers()
 
 
-# The command that a stop signal ends with exit 75 before its loop can answer it (job.entry). `job launch` answers
-# for itself once torchrun has started its workers (job.launch); its own rendezvous runs in C++, where a Python
-# handler would hold the signal until every node has joined.
-STOPPED_TO_RESUME = ("train",)
+# The commands that a stop signal ends with exit 75 before they can answer it (job.entry): `job train` until its
+# loop's handler, `job launch` until torchrun has started its workers and handles the signal itself (job.launch),
+# through its rendezvous (the wait for the other nodes) too, whose C++ waits the wakeup thread sees through.
+STOPPED_TO_RESUME = ("train", "launch")
 
 
 def _usual_signal_handlers() -> None:
@@ -377,6 +377,7 @@ def launch(torchrun_args: tuple[str, ...]) -> None:
     worker's code (2 bad flags, 6 an unusable checkpoint, 75 stopped by a spot notice, ...) becomes the
     launcher's, as Kubernetes' podFailurePolicy needs; SIGTERM or SIGINT to the launcher is 75.
     """
+    _dump_stacks_on_sigusr1()  # also ends a stop held in torchrun's rendezvous, in C++ (job.entry)
     from job.launch import launch as run_torchrun
 
     sys.exit(run_torchrun(torchrun_args))

@@ -8,7 +8,8 @@ A spot reclaim or ``kubectl delete`` in that window killed the process with SIGT
 KeyboardInterrupt traceback, which Kubernetes' podFailurePolicy and JobSet's failurePolicy count as a
 failure (README, "Exit codes"); 75 is what they restart for free, as for any other stop. The other
 commands get Python's usual handlers back once they start (job.cli): ``job inspect`` and ``job report`` have
-nothing to resume, and ``job launch`` answers for itself once torchrun's workers run (job.launch).
+nothing to resume. ``job launch`` keeps it through torchrun's rendezvous (a launcher waiting for the other nodes
+has no worker yet) and answers for itself once torchrun's workers run (job.launch).
 
 This module imports nothing heavy, so that the handler is in place before anything slow runs.
 """

@@ -38,18 +38,25 @@ def test_signal_checkpoints_the_current_step_and_exits_75(spawn, tmp_path, sig):
     assert local.read_finished(folder) == preempted["step"]
 
 
+@pytest.mark.parametrize("who", ["worker", "launcher"])
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_a_signal_before_training_can_answer_it_is_exit_75_at_once(spawn, tmp_path, sig):
+def test_a_signal_before_training_can_answer_it_is_exit_75_at_once(spawn, tmp_path, sig, who):
     """Rank 0 of two under torchrun's environment waits in the rendezvous for a rank that never comes, in C++,
     where no Python signal handler runs: the SIGTERM of a reclaimed node killed it with 143 (a failure to
-    podFailurePolicy, not a preemption), and SIGINT ended in a traceback. Nothing is trained, nothing saved."""
+    podFailurePolicy, not a preemption), and SIGINT ended in a traceback. So did `job launch` on the first of
+    two nodes, waiting in torchrun's rendezvous for the second. Nothing is trained, nothing saved."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     folder = tmp_path / "ck"
-    proc = spawn("train", *ARGS, "--save-folder", str(folder), env=job_env(
-        WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
-    wait_until(lambda: _listening(port), timeout=60, what="rank 0 waiting in the rendezvous")
+    if who == "worker":
+        proc = spawn("train", *ARGS, "--save-folder", str(folder), env=job_env(
+            WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+    else:
+        proc = spawn("launch", "--nnodes", "2", "--node-rank", "0", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                     "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "one-of-two", "-m", "job", "train", *ARGS,
+                     "--save-folder", str(folder), env=job_env())
+    wait_until(lambda: _listening(port), timeout=60, what=f"the {who} waiting in the rendezvous")
 
     proc.signal(sig)
 
