@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import torch
 
-from job import distributed
+from job import ddp_buckets, distributed
 from job.batches import batch_size, split, to_device
 from job.build import Run
 from job.logs import event
@@ -44,6 +44,7 @@ class Trainer:
         self.eval_interval, self.log_interval = eval_interval, log_interval
         self.after_step, self.should_stop, self.before_update = after_step, should_stop, before_update
         self._last_eval = time.monotonic()
+        self._settled = False
 
     def done(self) -> bool:
         return self.state.timer.get(self.state.max_duration.unit) >= self.state.max_duration
@@ -86,6 +87,9 @@ class Trainer:
         total = torch.zeros((), device=self.run.device)
         samples = batch_size(batch)  # a batch the job cannot count or cut: ConfigError at the first one
         micros = split(batch, state.grad_accum)
+        if not self._settled:  # every step of every life all-reduces in DDP's regrouped buckets (job.ddp_buckets)
+            ddp_buckets.settle(model, state, micros[0])
+            self._settled = True
         for i, micro in enumerate(micros):
             state.batch = micro
             # Under DDP, gradients are all-reduced once per step, on the last micro-batch.
