@@ -260,8 +260,7 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
     if cfg.sharded:
         remote = remote_cfg is not None and bool(remote_cfg.url)
         check_nodes_can_resume(ckpt_cfg.folder, remote, remote and remote_cfg is not None and remote_cfg.mode != "off")
-    leavable.leave_on(lambda: stop.reason)  # until the first step, a stopped rank leaves waits for the others
-    # A download gives up on a stop here, or where another rank left a wait (job.leavable).
+    # A download gives up on a stop here, or where another rank left a wait for the others (job.leavable).
     store = (RemoteStore(remote_cfg, ckpt_cfg.folder, stopped=lambda: stop.reason or leavable.left())
              if (leader or node_uploads) and remote_cfg is not None and remote_cfg.url else None)
     # The newest remote checkpoint downloads while the model is built: a resume waits for the larger one.
@@ -291,6 +290,7 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
                                     protect=store.pending if store is not None else None,
                                     on_commit=store.submit if store is not None else None,
                                     pin_memory=cfg.device == "cuda", sharded=cfg.sharded)
+        leavable.leave_on(lambda: stop.reason)  # until the first step, a stopped rank leaves waits for the others
         resumed = resume(state, ckpt_cfg, checkpointer, meta, store, run.mesh, pulling)
         if resumed is None:
             plan = elastic.new_run_plan(cfg, run)
@@ -371,6 +371,7 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
             _stopped_before_training(ckpt_cfg.folder, stop, e)
             return Outcome(state, preempted=True)
         failed = True
+        leavable.fail(e)  # before training: the other ranks stop waiting for this one, with its exit code
         if life is not None:
             life.failed(e)
         if checkpointer is not None:  # a failure in the loop can find a checkpoint being written

@@ -190,11 +190,22 @@ def all_gather(obj: Any) -> list[Any]:
     return everyone
 
 
-def gather_leavable(obj: Any, what: str) -> list[Any]:
+def gather_leavable(obj: Any, what: str, own: BaseException | None = None) -> list[Any]:
     """:func:`all_gather` after work that may take one rank minutes: before training, a rank stopped
-    while it waits for that one leaves the wait, and so do the others (job.leavable)."""
-    leavable.arrive(what)
+    while it waits for that one leaves the wait, and so do the others (job.leavable). ``own``: this rank's
+    failure, logged where the wait ends for another rank's reason instead."""
+    _arrive(what, own)
     return all_gather(obj)
+
+
+def _arrive(what: str, own: BaseException | None) -> None:
+    try:
+        leavable.arrive(what)
+    except Exception:
+        if own is not None:
+            logger.warning("could not %s (%s); the ranks end for another rank's reason instead", what,
+                           first_line(own, 300))
+        raise
 
 
 def broadcast_choice(obj: Any) -> Any:
@@ -217,7 +228,7 @@ def decided_by_first(decide: Callable[[], T], what: str) -> T:
             value = decide()
         except Exception as e:  # noqa: BLE001 - raised below, once every rank has heard of it
             failed = e
-    leavable.arrive(what)  # before training, a rank stopped while rank 0 decides leaves here (job.leavable)
+    _arrive(what, failed)  # before training, a rank stopped while rank 0 decides leaves here (job.leavable)
     value, why = broadcast_choice((value, _why(failed)))
     if failed is not None:
         raise failed
@@ -231,7 +242,7 @@ def raise_together(error: BaseException | None, what: str) -> None:
     failing rank's, as an OtherRankError with its exit code. For work one rank does alone (rank 0 writes
     the replicated checkpoint), whose failure the others would otherwise meet as a closed connection at
     their next collective (exit 1, a traceback) instead of the documented exit code."""
-    whys = gather_leavable(_why(error), what)
+    whys = gather_leavable(_why(error), what, error)
     if error is not None:
         raise error
     for failed_rank, why in enumerate(whys):

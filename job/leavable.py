@@ -12,10 +12,11 @@ So before such a collective every rank first *arrives* through the process group
 in Python. Every rank arrived: the collective follows and returns at once. A rank stopped first: it
 settles the wait as left and exits 75 (nothing trained, nothing to save), and the others hear it at their
 next poll and exit 75 too, as do downloads still running elsewhere (:func:`left`, polled by
-job.storage.Pull). One key per wait, set once with compare-and-set, decides between the two outcomes,
-so no rank enters the collective that another has left. Training answers stops in its own way (the
-per-step agree, then a checkpoint), so waits leave only while a stop check is installed (:func:`leave_on`,
-from the start of job.app.train to its first step).
+job.storage.Pull). A rank that fails instead settles the wait with its exit code (:meth:`Waits.fail`).
+One key per wait, set once with compare-and-set, decides between the outcomes, so no rank enters the
+collective that another has left. Training answers stops in its own way (the per-step agree, then a
+checkpoint), so waits leave only while a stop check is installed (:func:`leave_on`, from the resume in
+job.app.train to its first step).
 """
 from __future__ import annotations
 
@@ -24,15 +25,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from torch.distributed import PrefixStore
+from torch.distributed import DistNetworkError, PrefixStore
 
-from job.exceptions import EXIT_PREEMPTED, JobError, OtherRankError, StoppedBeforeTraining
+from job.exceptions import EXIT_PREEMPTED, JobError, OtherRankError, StoppedBeforeTraining, exit_code_for
 from job.safe_load import first_line
 
 logger = logging.getLogger(__name__)
 
-POLL_S = 0.05  # how often a waiting rank looks at the store and at its stop request
-ALL = "all"  # a wait's outcome when every rank arrived; otherwise who left, and why
+POLL_S = 0.05  # how often a waiting rank first looks at the store and at its stop request
+POLL_MAX_S = 0.5  # ... backing off to this: a wait of minutes on a thousand ranks is not a flood on the store
+ALL = "all"  # a wait's outcome when every rank arrived; otherwise "<exit code> <who ended it, and why>"
 PREFIX = "spot-trainer/leavable"
 
 
@@ -48,18 +50,40 @@ class Waits:
         self.store, self.rank, self.world, self.timeout_s = store, rank, world, timeout_s
         self.stopped: Callable[[], str | None] | None = None  # leave_on
         self.count = 0
+        self._waiting = False  # inside a wait: a failure settles this one, not the next (fail)
 
     def arrive(self, what: str) -> None:
         """Collective: return once every rank has arrived here, or raise StoppedBeforeTraining (this rank
-        stopped first) or OtherRankError with exit 75 (another did). A no-op without a stop check."""
+        stopped first), OtherRankError (another rank stopped or failed: its exit code) or WaitTimedOut.
+        A no-op without a stop check."""
         if self.world < 2 or self.stopped is None:
             return
         self.count += 1
+        self._waiting = True
         try:
             self._wait(f"{self.count}", what, self.stopped)
-        except RuntimeError as e:  # the store's host (torchrun's agent on the first node, or rank 0) is gone
+        except DistNetworkError as e:  # the store's host (torchrun's agent on the first node, or rank 0) is gone
             raise OtherRankError(f"the rendezvous store is gone ({first_line(e, 200)}) while the ranks waited to "
                                  f"{what}: another node has left", EXIT_PREEMPTED) from None
+        finally:
+            self._waiting = False
+
+    def fail(self, error: BaseException) -> bool:
+        """This rank ends with ``error`` before training: settle the wait the others are in, or will reach
+        next, with its exit code, so that they end with it now. Without this they would wait for this rank
+        to the collective timeout, where a gloo collective heard of its closed connection at once. A rank
+        killed without a word (SIGKILL, the OOM killer) still leaves them to the timeout, unless JobSet
+        (restarting the set when a pod fails) or torchrun's agent (with --max-restarts) stops them first.
+        True where this settled the wait."""
+        if self.world < 2 or self.stopped is None:
+            return False
+        key = f"{self.count if self._waiting else self.count + 1}"
+        mine = f"{exit_code_for(error)} rank {self.rank} failed ({first_line(error, 300)})"
+        try:
+            return bool(self.store.compare_set(f"{key}/outcome", "", mine).decode() == mine)
+        except RuntimeError as e:  # the store is gone too: the others hear of it from there
+            logger.debug("could not tell the other ranks of this rank's failure: %s", e)
+            return False
 
     def left(self) -> str | None:
         """Why the job stops because another rank left a wait; None while none has."""
@@ -67,12 +91,12 @@ class Waits:
             return None
         try:
             return self.store.get("left").decode() if self.store.check(["left"]) else None
-        except RuntimeError as e:  # the store's host is gone: so is the node that held it
+        except DistNetworkError as e:  # the store's host is gone: so is the node that held it
             return f"the rendezvous store is gone ({first_line(e, 200)})"
 
     def _wait(self, key: str, what: str, stopped: Callable[[], str | None]) -> None:
         store, outcome = self.store, f"{key}/outcome"
-        deadline = time.monotonic() + self.timeout_s
+        deadline, delay = time.monotonic() + self.timeout_s, POLL_S
         if store.add(f"{key}/arrived", 1) == self.world:
             store.compare_set(outcome, "", ALL)
         while True:
@@ -80,11 +104,12 @@ class Waits:
                 settled = store.get(outcome).decode()
                 if settled == ALL:
                     return
-                raise OtherRankError(f"{settled} before training, while the ranks waited to {what}", EXIT_PREEMPTED)
+                code, _, why = settled.partition(" ")
+                raise OtherRankError(f"{why} before training, while the ranks waited to {what}", int(code))
             why = stopped()
             if why is not None:
                 mine = f"rank {self.rank} stopped ({why})"
-                if store.compare_set(outcome, "", mine).decode() == mine:
+                if store.compare_set(outcome, "", f"{EXIT_PREEMPTED} {mine}").decode() == f"{EXIT_PREEMPTED} {mine}":
                     logger.debug("leaving the wait to %s: %s", what, mine)
                     store.set("left", mine)  # for downloads still running on other nodes (left())
                     raise StoppedBeforeTraining(f"stopped ({why}) while waiting for the other ranks to {what}, "
@@ -92,10 +117,14 @@ class Waits:
                 continue  # every rank had arrived first, or another rank left first: the outcome says which
             if time.monotonic() > deadline:
                 arrived = int(store.add(f"{key}/arrived", 0))
-                raise WaitTimedOut(f"waited {self.timeout_s:.0f}s for every rank to {what}: {arrived} of "
-                                   f"{self.world} arrived; one is stuck or gone (kill -USR1 a worker to see where "
-                                   "it waits)")
-            time.sleep(POLL_S)
+                timed_out = WaitTimedOut(f"waited {self.timeout_s:.0f}s for every rank to {what}: {arrived} of "
+                                         f"{self.world} arrived; one is stuck or gone (kill -USR1 a worker to see "
+                                         "where it waits)")
+                if self.fail(timed_out):  # a late rank must not go on into a collective with ranks that are gone
+                    raise timed_out
+                continue  # settled first by another rank: the outcome says how
+            time.sleep(delay)
+            delay = min(POLL_MAX_S, delay * 1.5)
 
 
 _waits: Waits | None = None  # this process's, once it has joined a process group (use)
@@ -117,6 +146,12 @@ def arrive(what: str) -> None:
     """:meth:`Waits.arrive` of this process; a no-op outside a process group."""
     if _waits is not None:
         _waits.arrive(what)
+
+
+def fail(error: BaseException) -> None:
+    """:meth:`Waits.fail` of this process; a no-op outside a process group."""
+    if _waits is not None:
+        _waits.fail(error)
 
 
 def left() -> str | None:

@@ -26,7 +26,7 @@ from typing import Any
 
 from job import dcp_storage, distributed, sharded
 from job.checkpoint import check_settings, load_shard
-from job.exceptions import CheckpointLoadError, OtherRankError, exit_code_for
+from job.exceptions import EXIT_PREEMPTED, CheckpointLoadError, OtherRankError, exit_code_for
 from job.logs import event
 from job.storage import RemoteStore
 from state import State
@@ -67,6 +67,7 @@ def resume_from_bucket(state: State, folder: Path, store: RemoteStore | None, ne
         if distributed.rank() == 0:
             check_settings(manifest, meta)
         scratch = scratch_folder(folder)
+        left = False
         try:
             failure = _download_for_node(state, store, manifest, scratch)
             if failure is not None:
@@ -75,8 +76,14 @@ def resume_from_bucket(state: State, folder: Path, store: RemoteStore | None, ne
                 below = manifest.step
                 continue
             tree = load_shard(scratch, manifest, state)
+        except Exception as e:
+            # A rank left a wait (job.leavable): every rank left it at the same wait, none reads the scratch
+            # folder on, and one may be gone, so no barrier that it would hold in C++.
+            left = exit_code_for(e) == EXIT_PREEMPTED
+            raise
         finally:
-            distributed.barrier()  # every rank of the node is done with the scratch folder
+            if not left:
+                distributed.barrier()  # every rank of the node is done with the scratch folder
             if distributed.node_leader():
                 shutil.rmtree(scratch, ignore_errors=True)
         where = store.url.rstrip("/") if store is not None else "the bucket"
@@ -128,7 +135,7 @@ def _agree_on(step: Any) -> str | None:
     except Exception as e:  # noqa: BLE001 - raised below, after every rank has heard of it
         error = e
     failure = (f"{type(error).__name__}: {error}", exit_code_for(error)) if error is not None else None
-    outcomes = distributed.gather_leavable((corrupt, failure), "download their parts of the checkpoint")
+    outcomes = distributed.gather_leavable((corrupt, failure), "download their parts of the checkpoint", error)
     if error is not None:
         raise error
     failed = [f for _, f in outcomes if f is not None]

@@ -10,7 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch.distributed as dist
 
-from job.exceptions import EXIT_PREEMPTED, OtherRankError, StoppedBeforeTraining, exit_code_for
+from job import leavable
+from job.exceptions import (EXIT_BAD_CHECKPOINT, EXIT_PREEMPTED, CheckpointLoadError, OtherRankError,
+                            StoppedBeforeTraining, exit_code_for)
 from job.leavable import Waits, WaitTimedOut
 
 WHAT = "download their parts of the checkpoint"
@@ -106,3 +108,40 @@ def test_without_a_stop_check_a_wait_is_only_the_collective(store: dist.Store) -
     wait.stopped = None
     wait.arrive(WHAT)
     assert wait.count == 0 and wait.left() is None
+
+
+def test_a_rank_that_fails_before_it_arrives_ends_the_others_wait_with_its_exit_code(store: dist.Store) -> None:
+    """Its gloo connection closing told the others at once; polling the store, they would wait for it to the
+    collective timeout. Its failure settles the wait they are in (job.app calls fail on the way out)."""
+    waits = ranks(store, 3)
+    with ThreadPoolExecutor(2) as pool:
+        waiting = [pool.submit(waits[r].arrive, WHAT) for r in (1, 2)]
+        assert waits[0].fail(CheckpointLoadError("the checkpoint's metadata is damaged"))
+        for future in waiting:
+            with pytest.raises(OtherRankError, match=r"^rank 0 failed \(the checkpoint's metadata is damaged\) before"):
+                future.result()
+            assert exit_code_for(future.exception()) == EXIT_BAD_CHECKPOINT
+
+
+def test_a_timed_out_wait_is_settled_so_a_late_rank_does_not_go_on_alone(store: dist.Store) -> None:
+    waits = ranks(store, 2, timeout_s=0.2)
+    with pytest.raises(WaitTimedOut):
+        waits[0].arrive(WHAT)
+    waits[1].timeout_s = 30.0
+    with pytest.raises(OtherRankError, match=r"^rank 0 failed \(waited 0s for every rank"):
+        waits[1].arrive(WHAT)  # the last to arrive: it would have settled "all" and entered the collective alone
+
+
+def test_this_process_waits_through_the_groups_store(store: dist.Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What job.distributed.init hands over (use), under the namespace it adds; leave_on(None) ends the leaving."""
+    monkeypatch.setattr(leavable, "_waits", None)
+    leavable.use(store, 0, 2, 30.0)
+    leavable.leave_on(lambda: "SIGTERM")
+    with pytest.raises(StoppedBeforeTraining, match=r"^stopped \(SIGTERM\) while waiting for the other ranks to"):
+        leavable.arrive(WHAT)
+    other = Waits(dist.PrefixStore(leavable.PREFIX, store), 1, 2, 30.0)
+    other.stopped = lambda: None
+    assert other.left() == "rank 0 stopped (SIGTERM)"
+    leavable.leave_on(None)
+    leavable.arrive(WHAT)  # training: no wait of its own, the collective alone
+    assert leavable.left() is None
