@@ -274,6 +274,8 @@ def test_a_node_stopped_while_another_still_downloads_its_part_ends_every_node_a
     procs = two_nodes(folders, s3_bucket.url("run"), {**env, "JOB_ENDPOINT_URL": fault_proxy.endpoint_url},
                       *QUICK, "--max-duration", "40ba", "--grace-period", "30")
     def node_0_waits() -> bool:
+        """Node 0 asked for its part, node 1's is held. Node 0 may still be reading the last bytes: a stop
+        then ends its download, and it leaves through the same wait all the same."""
         return bool(fault_proxy.counters.held) and any("__0_0.distcp" in line
                                                        for line in fault_proxy.counters.request_lines)
 
