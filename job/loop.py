@@ -88,7 +88,7 @@ class Trainer:
         samples = batch_size(batch)  # a batch the job cannot count or cut: ConfigError at the first one
         micros = split(batch, state.grad_accum)
         if not self._settled:  # every step of every life all-reduces in DDP's regrouped buckets (job.ddp_buckets)
-            ddp_buckets.settle(model, state, micros[0])
+            ddp_buckets.settle(model, state, micros[0], self.run.world_size)
             self._settled = True
         for i, micro in enumerate(micros):
             state.batch = micro

@@ -60,19 +60,22 @@ def test_three_ddp_ranks_sigkilled_and_restarted_end_bit_identical(spawn, tmp_pa
     """DDP all-reduced a life's first step in its first bucket layout and every later step in buckets regrouped
     by that step's backward; a ring all-reduce over 3 ranks rounds by where a value sits in its bucket, so a
     resumed run ended about 1e-8 off the uninterrupted one. Each life now settles the layout before its first
-    step (job.ddp_buckets): parameters and train metrics bit for bit, as on 1 and 2 ranks."""
+    step (job.ddp_buckets): parameters and train metrics bit for bit, as on 1 and 2 ranks. The model has
+    dropout (the warm-up draws nothing that stays drawn) and a head used in training only (a warm-up in eval
+    mode left it without a gradient, and DDP failed the first step: review 51)."""
     def three_ranks(folder: str) -> list[str]:
         return [*TORCHRUN, "--standalone", "--nproc-per-node", "3", "-m", "job", "train", *ARGS, "--batch-size", "48",
-                "--max-duration", "40ba", "--save-folder", str(tmp_path / folder)]
+                "--model", "tests.support.slow_model:with_training_head", "--max-duration", "40ba",
+                "--save-folder", str(tmp_path / folder)]
 
     straight = spawn(argv=three_ranks("straight"), env=job_env())
     assert straight.wait(timeout=300) == 0, straight.stderr[-3000:]
     killed = spawn(argv=three_ranks("ck"), env=job_env())
-    killed.wait_event("checkpoint", lambda e: e["step"] >= 20)
+    killed.wait_event("checkpoint", lambda e: e["step"] >= 10)
     killed.kill()
     restarted = spawn(argv=three_ranks("ck"), env=job_env())
     assert restarted.wait(timeout=300) == 0, restarted.stderr[-3000:]
-    assert 20 <= restarted.wait_event("resumed")["step"] < 40
+    assert 10 <= restarted.wait_event("resumed")["step"] < 40
     assert inspect(tmp_path / "ck")["model_sha256"] == inspect(tmp_path / "straight")["model_sha256"]
     assert restarted.wait_event("finished")["metrics"] == straight.wait_event("finished")["metrics"]
 

@@ -2,9 +2,9 @@
 
 The dataset is the built-in spirals with each sample's index appended; the model is the built-in MLP,
 slowed down like tests.support.slow_model so that signals land mid-epoch, and it appends the indices of
-every micro-batch it trains on (training mode only: evaluation is not recorded) to a file of its own
-process in $RECORD_DIR. Recording in forward, not in the dataset, counts what was trained, not what a
-DataLoader worker prefetched.
+every micro-batch it trains on to a file of its own process in $RECORD_DIR (training mode only: neither
+evaluation nor DDP's bucket warm-up, job.ddp_buckets.warming_up, is recorded). Recording in forward, not in
+the dataset, counts what was trained, not what a DataLoader worker prefetched.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import Dataset
 
 from job.builtin import MLP, spirals
+from job.ddp_buckets import warming_up
 
 STEP_SECONDS = 0.01
 
@@ -35,7 +36,7 @@ class Indexed(Dataset):  # type: ignore[type-arg]
 
 class RecordingMLP(MLP):
     def forward(self, batch: Any) -> torch.Tensor:
-        if self.training:
+        if self.training and not warming_up():  # DDP's bucket warm-up trains nothing (job.ddp_buckets)
             time.sleep(STEP_SECONDS)
             path = Path(os.environ["RECORD_DIR"]) / f"trained-{os.getpid()}.txt"
             with open(path, "a") as f:
