@@ -41,6 +41,11 @@ PREFIX = "spot-trainer/leavable"
 class WaitTimedOut(JobError):
     """A rank never arrived within the group's collective timeout: stuck, or gone without a word."""
 
+    def __init__(self, who: str, what: str) -> None:
+        super().__init__(f"{who} while the others waited to {what}: stuck or gone (kill -USR1 a worker to see "
+                         "where it waits)")
+        self.who = who  # what the other ranks are told
+
 
 class Waits:
     """One rank's side of the waits; every rank makes the same waits in the same order, so a count names
@@ -78,12 +83,17 @@ class Waits:
         if self.world < 2 or self.stopped is None:
             return False
         key = f"{self.count if self._waiting else self.count + 1}"
-        mine = f"{exit_code_for(error)} rank {self.rank} failed ({first_line(error, 300)})"
+        why = error.who if isinstance(error, WaitTimedOut) else f"rank {self.rank} failed ({first_line(error, 300)})"
         try:
-            return bool(self.store.compare_set(f"{key}/outcome", "", mine).decode() == mine)
+            return self._settle(key, exit_code_for(error), why)
         except RuntimeError as e:  # the store is gone too: the others hear of it from there
             logger.debug("could not tell the other ranks of this rank's failure: %s", e)
             return False
+
+    def _settle(self, key: str, code: int, why: str) -> bool:
+        """The wait's outcome, unless it has one already; True where this call set it."""
+        mine = f"{code} {why}"
+        return bool(self.store.compare_set(f"{key}/outcome", "", mine).decode() == mine)
 
     def left(self) -> str | None:
         """Why the job stops because another rank left a wait; None while none has."""
@@ -97,6 +107,7 @@ class Waits:
     def _wait(self, key: str, what: str, stopped: Callable[[], str | None]) -> None:
         store, outcome = self.store, f"{key}/outcome"
         deadline, delay = time.monotonic() + self.timeout_s, POLL_S
+        store.set(f"{key}/rank-{self.rank}", "")  # who came: a timeout names who did not
         if store.add(f"{key}/arrived", 1) == self.world:
             store.compare_set(outcome, "", ALL)
         while True:
@@ -109,22 +120,25 @@ class Waits:
             why = stopped()
             if why is not None:
                 mine = f"rank {self.rank} stopped ({why})"
-                if store.compare_set(outcome, "", f"{EXIT_PREEMPTED} {mine}").decode() == f"{EXIT_PREEMPTED} {mine}":
+                if self._settle(key, EXIT_PREEMPTED, mine):
                     logger.debug("leaving the wait to %s: %s", what, mine)
                     store.set("left", mine)  # for downloads still running on other nodes (left())
                     raise StoppedBeforeTraining(f"stopped ({why}) while waiting for the other ranks to {what}, "
                                                 "before any training: nothing new to save")
                 continue  # every rank had arrived first, or another rank left first: the outcome says which
             if time.monotonic() > deadline:
-                arrived = int(store.add(f"{key}/arrived", 0))
-                timed_out = WaitTimedOut(f"waited {self.timeout_s:.0f}s for every rank to {what}: {arrived} of "
-                                         f"{self.world} arrived; one is stuck or gone (kill -USR1 a worker to see "
-                                         "where it waits)")
+                missing = [r for r in range(self.world) if not store.check([f"{key}/rank-{r}"])]
+                timed_out = WaitTimedOut(f"rank(s) {_listed(missing)} did not come within {self.timeout_s:.0f}s", what)
                 if self.fail(timed_out):  # a late rank must not go on into a collective with ranks that are gone
                     raise timed_out
                 continue  # settled first by another rank: the outcome says how
             time.sleep(delay)
             delay = min(POLL_MAX_S, delay * 1.5)
+
+
+def _listed(ranks: list[int], most: int = 8) -> str:
+    shown = ", ".join(str(r) for r in ranks[:most])
+    return shown + (f" and {len(ranks) - most} more" if len(ranks) > most else "") if ranks else "none (late)"
 
 
 _waits: Waits | None = None  # this process's, once it has joined a process group (use)

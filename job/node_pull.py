@@ -26,7 +26,7 @@ from typing import Any
 
 from job import dcp_storage, distributed, sharded
 from job.checkpoint import check_settings, load_shard
-from job.exceptions import EXIT_PREEMPTED, CheckpointLoadError, OtherRankError, exit_code_for
+from job.exceptions import CheckpointLoadError, OtherRankError, exit_code_for
 from job.logs import event
 from job.storage import RemoteStore
 from state import State
@@ -67,25 +67,24 @@ def resume_from_bucket(state: State, folder: Path, store: RemoteStore | None, ne
         if distributed.rank() == 0:
             check_settings(manifest, meta)
         scratch = scratch_folder(folder)
-        left = False
         try:
             failure = _download_for_node(state, store, manifest, scratch)
-            if failure is not None:
-                if distributed.rank() == 0 and store is not None:
-                    store.set_aside(manifest, failure)
-                below = manifest.step
-                continue
-            tree = load_shard(scratch, manifest, state)
-        except Exception as e:
-            # A rank left a wait (job.leavable): every rank left it at the same wait, none reads the scratch
-            # folder on, and one may be gone, so no barrier that it would hold in C++.
-            left = exit_code_for(e) == EXIT_PREEMPTED
-            raise
-        finally:
-            if not left:
-                distributed.barrier()  # every rank of the node is done with the scratch folder
+            tree = load_shard(scratch, manifest, state) if failure is None else None
+        except BaseException:
+            # No barrier: a rank that failed or stopped may be gone (every rank ends a wait one of them left or
+            # failed: job.leavable), and gloo would hold the others in C++. The job ends; the next start removes
+            # what is left of the scratch folder.
             if distributed.node_leader():
                 shutil.rmtree(scratch, ignore_errors=True)
+            raise
+        distributed.barrier()  # every rank of the node is done with the scratch folder
+        if distributed.node_leader():
+            shutil.rmtree(scratch, ignore_errors=True)
+        if failure is not None:
+            if distributed.rank() == 0 and store is not None:
+                store.set_aside(manifest, failure)
+            below = manifest.step
+            continue
         where = store.url.rstrip("/") if store is not None else "the bucket"
         return tree, manifest, f"{where}/{checkpoint_name(manifest.step)}"
 
