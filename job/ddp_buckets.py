@@ -52,17 +52,20 @@ def settle(model: torch.nn.Module, state: State, micro: Any, world_size: int) ->
         return
     core = model.module
     generators = capture_rng()
-    buffers = [b.detach().clone() for b in core.buffers()]
+    # By the tensor, not by position: a forward that registers a buffer (a mask, a longer rotary cache) keeps it,
+    # as the real forward would make it again.
+    buffers = [(b, b.detach().clone()) for b in core.buffers()]
     _warming_up = True
     try:
+        state.batch = micro  # as Trainer.train_step sets it before each forward
         with state.precision_context:
             loss = core.loss(model(micro), micro)
         loss.backward()
     finally:
         _warming_up = False
-    for p in core.parameters():
-        p.grad = None
-    with torch.no_grad():
-        for buffer, before in zip(core.buffers(), buffers):
-            buffer.copy_(before)
-    restore_rng(generators)
+        for p in core.parameters():
+            p.grad = None
+        with torch.no_grad():
+            for buffer, before in buffers:
+                buffer.copy_(before)
+        restore_rng(generators)

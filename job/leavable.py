@@ -91,7 +91,8 @@ class Waits:
             return False
 
     def _settle(self, key: str, code: int, why: str) -> bool:
-        """The wait's outcome, unless it has one already; True where this call set it."""
+        """The wait's outcome, unless it has one already; True where it is now this one (two ranks that time
+        out alike both get True, and end alike)."""
         mine = f"{code} {why}"
         return bool(self.store.compare_set(f"{key}/outcome", "", mine).decode() == mine)
 
@@ -107,7 +108,7 @@ class Waits:
     def _wait(self, key: str, what: str, stopped: Callable[[], str | None]) -> None:
         store, outcome = self.store, f"{key}/outcome"
         deadline, delay = time.monotonic() + self.timeout_s, POLL_S
-        store.set(f"{key}/rank-{self.rank}", "")  # who came: a timeout names who did not
+        store.append(f"{key}/came", f"{self.rank},")  # a timeout names who did not, with one read
         if store.add(f"{key}/arrived", 1) == self.world:
             store.compare_set(outcome, "", ALL)
         while True:
@@ -127,8 +128,10 @@ class Waits:
                                                 "before any training: nothing new to save")
                 continue  # every rank had arrived first, or another rank left first: the outcome says which
             if time.monotonic() > deadline:
-                missing = [r for r in range(self.world) if not store.check([f"{key}/rank-{r}"])]
-                timed_out = WaitTimedOut(f"rank(s) {_listed(missing)} did not come within {self.timeout_s:.0f}s", what)
+                came = {int(r) for r in store.get(f"{key}/came").decode().split(",") if r}
+                missing = [r for r in range(self.world) if r not in came]
+                timed_out = WaitTimedOut(f"rank(s) {_listed(missing)} did not come within {self.timeout_s:.0f}s"
+                                         if missing else f"the ranks came only after {self.timeout_s:.0f}s", what)
                 if self.fail(timed_out):  # a late rank must not go on into a collective with ranks that are gone
                     raise timed_out
                 continue  # settled first by another rank: the outcome says how
@@ -138,7 +141,7 @@ class Waits:
 
 def _listed(ranks: list[int], most: int = 8) -> str:
     shown = ", ".join(str(r) for r in ranks[:most])
-    return shown + (f" and {len(ranks) - most} more" if len(ranks) > most else "") if ranks else "none (late)"
+    return shown + (f" and {len(ranks) - most} more" if len(ranks) > most else "")
 
 
 _waits: Waits | None = None  # this process's, once it has joined a process group (use)
