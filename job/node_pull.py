@@ -70,16 +70,13 @@ def resume_from_bucket(state: State, folder: Path, store: RemoteStore | None, ne
         try:
             failure = _download_for_node(state, store, manifest, scratch)
             tree = load_shard(scratch, manifest, state) if failure is None else None
-        except BaseException:
-            # No barrier: a rank that failed or stopped may be gone (every rank ends a wait one of them left or
-            # failed: job.leavable), and gloo would hold the others in C++. The job ends; the next start removes
-            # what is left of the scratch folder.
+            # Every rank of the node is done with the scratch folder. Only on the way on: after a failure or a
+            # stop, a rank may be gone (every rank ends a wait one of them left or failed: job.leavable), and
+            # gloo would hold the others in C++; the job ends, and the next start removes what is left.
+            distributed.barrier()
+        finally:
             if distributed.node_leader():
                 shutil.rmtree(scratch, ignore_errors=True)
-            raise
-        distributed.barrier()  # every rank of the node is done with the scratch folder
-        if distributed.node_leader():
-            shutil.rmtree(scratch, ignore_errors=True)
         if failure is not None:
             if distributed.rank() == 0 and store is not None:
                 store.set_aside(manifest, failure)

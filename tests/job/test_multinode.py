@@ -158,6 +158,12 @@ def stop_when(procs: list[JobProcess], ready: Callable[[], object], which: list[
             proc.kill()
 
 
+def ended(procs: list[JobProcess]) -> list[tuple[str, int | None]]:
+    """How each worker's start ended: its ``preempted``, ``resumed`` or ``failed`` event, with the step."""
+    return [(e["event"], e["step"]) for p in procs for e in events(p.stderr)
+            if e.get("event") in ("preempted", "resumed", "failed")]
+
+
 def finish(procs: list[JobProcess]) -> list[dict]:
     """Wait for every launcher to exit 0; their events."""
     try:
@@ -251,8 +257,7 @@ def test_a_stop_while_each_node_downloads_its_part_ends_every_node_at_once(
                       *QUICK, "--max-duration", "40ba", "--grace-period", "30")
     stop_when(procs, lambda: wait_until(lambda: fault_proxy.counters.held >= 2, timeout=120,
                                         what="both nodes' downloads held"))
-    ended = [e for p in procs for e in events(p.stderr) if e.get("event") in ("preempted", "failed", "resumed")]
-    assert [(e["event"], e["step"]) for e in ended] == [("preempted", None), ("preempted", None)], ended
+    assert ended(procs) == [("preempted", None), ("preempted", None)], procs[0].stderr[-3000:]
     for folder in folders:
         assert (folder / FINISHED_NAME).exists()  # each node's sidecar may leave
         assert list_committed(folder) == [] and not list(folder.glob(".resume-*"))  # no scratch left
@@ -273,6 +278,7 @@ def test_a_node_stopped_while_another_still_downloads_its_part_ends_every_node_a
     folders = [tmp_path / "b0", tmp_path / "b1"]
     procs = two_nodes(folders, s3_bucket.url("run"), {**env, "JOB_ENDPOINT_URL": fault_proxy.endpoint_url},
                       *QUICK, "--max-duration", "40ba", "--grace-period", "30")
+
     def node_0_waits() -> bool:
         """Node 0 asked for its part, node 1's is held. Node 0 may still be reading the last bytes: a stop
         then ends its download, and it leaves through the same wait all the same."""
@@ -281,9 +287,7 @@ def test_a_node_stopped_while_another_still_downloads_its_part_ends_every_node_a
 
     stop_when(procs, lambda: wait_until(node_0_waits, timeout=120, what="node 0's part asked for, node 1's held"),
               which=procs[:1])
-    ended = [(e["event"], e["step"]) for p in procs for e in events(p.stderr) if e.get("event") in ("preempted",
-                                                                                                "resumed", "failed")]
-    assert ended == [("preempted", None), ("preempted", None)], procs[1].stderr[-3000:]
+    assert ended(procs) == [("preempted", None), ("preempted", None)], procs[1].stderr[-3000:]
     assert fault_proxy.counters.held == 1  # node 1 gave its download up at once: never timed out and asked again
     for folder in folders:
         assert (folder / FINISHED_NAME).exists() and not list(folder.glob(".resume-*"))
@@ -339,9 +343,7 @@ def test_a_stop_while_another_node_pulls_the_whole_checkpoint_ends_every_rank_wi
              for i in range(2)]
     stop_when(procs, lambda: wait_until(lambda: fault_proxy.counters.held > 0, timeout=120,
                                         what="node 1's download held"), which=[procs[reclaimed]])
-    ended = [(e["event"], e["step"]) for p in procs for e in events(p.stderr) if e.get("event") in ("preempted",
-                                                                                                "resumed", "failed")]
-    assert ended == [("preempted", None), ("preempted", None)], procs[1 - reclaimed].stderr[-3000:]
+    assert ended(procs) == [("preempted", None), ("preempted", None)], procs[1 - reclaimed].stderr[-3000:]
     assert "unexpected error" not in procs[0].stderr
     assert fault_proxy.counters.held == 1  # node 1 gave its download up at once: never timed out and asked again
 
