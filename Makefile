@@ -5,6 +5,9 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
+# Workers for `make test` (pytest-xdist), one test file per worker at a time: module fixtures are built
+# once, and a serial run (TEST_WORKERS=0) keeps every test's wall clock to itself.
+TEST_WORKERS ?= 2
 BIN := $(VENV)/bin
 
 .PHONY: run test lint clean
@@ -29,7 +32,7 @@ run: $(VENV)/.run
 	$(BIN)/job train
 
 test: $(VENV)/.test
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) checkpoints .pytest_cache
