@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 BIN := $(VENV)/bin
 
-.PHONY: run test lint clean
+.PHONY: run test clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
