@@ -22,7 +22,6 @@ from job import deferred_init, distributed
 from job.config import TrainConfig
 from job.exceptions import ConfigError
 from job.plugins import data_factory, model_factory
-from job.sharded import shard_model
 from state import TIMER_LIMIT, Evaluator, GlobalBatchSampler, Precision, State, TimeUnit, seed_all
 
 logger = logging.getLogger(__name__)
@@ -174,6 +173,7 @@ def _assemble(cfg: TrainConfig, defer_init: bool) -> Run | None:
 
     mesh = None
     if cfg.sharded:
+        from job.sharded import shard_model  # DCP only where it is used (job.sharded_layout)
         mesh = shard_model(model, device, world)
         if deferred:  # sharded on the meta device: only this rank's shards are allocated
             deferred_init.allocate_shards(model, device)

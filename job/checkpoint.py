@@ -4,7 +4,9 @@ Storage format and commit protocol live in ``uploader.local`` / ``uploader.manif
 with the sidecar); this module adds what needs torch: serializing the State and loading it with
 ``torch.load(weights_only=True)``, so nothing in a checkpoint is ever executed as code. Sharded
 checkpoints (``--sharded``) are written and read through job.sharded (torch.distributed.checkpoint
-over job.dcp_storage); this module hashes their files and commits them like any other.
+over job.dcp_storage); this module hashes their files and commits them like any other. It imports those
+two only in the functions that handle a sharded checkpoint: an unsharded run never loads DCP
+(job.sharded_layout).
 """
 from __future__ import annotations
 
@@ -20,23 +22,28 @@ import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, NoReturn
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NoReturn
 
 import torch
-from torch.distributed.checkpoint.storage import WriteResult
 
-from job import dcp_storage, distributed, sharded
+from job import distributed
 from job.direct_file import DirectFile
 from job.exceptions import CheckpointLoadError, CheckpointWriteError, ConfigError
 from job.logs import event
 from job.safe_load import first_line, load_weights_only
-from job.sharded import HostStaging
+from job.sharded_layout import BUFFERS, MODEL, OPTIMIZERS, own_buffers, rank_file
 from job.snapshot import Deferred, HostSnapshot, Path_, written_by_update
 from state import State
 from uploader import local
 from uploader.exceptions import CorruptCheckpoint, ManifestError
 from uploader.hashing import BLOCK_SIZE, HashingWriter, file_digest
 from uploader.manifest import RANK_FILE_RE, REPLICATED_FILE, FileEntry, Manifest
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    from job import dcp_storage
+    from job.sharded import HostStaging
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +99,10 @@ class Checkpointer:
         self.last_write_seconds: float | None = None  # serialize + hash + fsync + commit of the last one
         self._durable_since: float | None = None  # a durable save() is running in the training thread since
         self._snapshot = HostSnapshot(pin_memory)
-        self._host_shards = HostStaging(pin_memory)
+        self._host_shards: HostStaging | None = None
+        if sharded:
+            from job.sharded import HostStaging
+            self._host_shards = HostStaging(pin_memory)
         self._pending: _ShardedSave | None = None  # the sharded checkpoint in flight, on every rank alike
         self._writer: threading.Thread | None = None
         self.last_committed: int | None = None  # the step this process committed last (its writer may still run)
@@ -252,6 +262,7 @@ class Checkpointer:
     def _begin_sharded(self, state: State, copy: bool) -> _ShardedSave:
         """Collective: the save's staging folder, this rank's files and shards (``copy``: into the host
         buffers, for a write that runs while training goes on), and DCP's plan of the shards."""
+        from job import dcp_storage, sharded
         rank, world, step = distributed.rank(), distributed.world_size(), state.timer.batch.value
         save_id = distributed.broadcast_choice(uuid.uuid4().hex if rank == 0 else None)
         staging = self.folder / f"{local.STAGING_PREFIX}{local.checkpoint_name(step)}-sharded-{save_id}"
@@ -264,17 +275,18 @@ class Checkpointer:
         tree = state.state_dict()
         own = {k: tree[k] for k in distributed.PER_RANK_KEYS if k in tree}
         if world > 1:
-            own[sharded.BUFFERS] = sharded.own_buffers(state.model, tree[sharded.MODEL])
-        files: dict[str, Any] = {sharded.rank_file(rank, world): own}
+            own[BUFFERS] = own_buffers(state.model, tree[MODEL])
+        files: dict[str, Any] = {rank_file(rank, world): own}
         if rank == 0:
             files[REPLICATED_FILE] = {k: v for k, v in tree.items()
-                                      if k not in (sharded.MODEL, sharded.OPTIMIZERS, *distributed.PER_RANK_KEYS)}
+                                      if k not in (MODEL, OPTIMIZERS, *distributed.PER_RANK_KEYS)}
         shards = sharded.save_tree(state)
         ready: list[torch.cuda.Event] = []
         failure: str | None = None
         if copy:
             try:
                 files, files_ready = self._snapshot.capture(files)
+                assert self._host_shards is not None
                 shards, shards_ready = self._host_shards.stage(shards)
                 ready = [e for e in (files_ready, shards_ready) if e is not None]
             except (RuntimeError, ValueError, TypeError) as e:  # out of host memory, or a leaf DCP cannot copy
@@ -716,6 +728,7 @@ def load_state_file(folder: Path, manifest: Manifest | None = None) -> dict[str,
     by torch.distributed.checkpoint (job.sharded) with every rank's own state under ``per_rank``."""
     if manifest is None or not manifest.meta.get("sharded"):
         return _load(folder / STATE_FILE)
+    from job import dcp_storage, sharded
     metadata = dcp_storage.read_metadata(folder, manifest)
     return {**_load(folder / REPLICATED_FILE), **sharded.full_tree(folder, metadata),
             distributed.PER_RANK: per_rank_states(folder, manifest)}
@@ -760,6 +773,7 @@ def load_shard(folder: Path, manifest: Manifest, state: State) -> dict[str, Any]
 
     A file one rank cannot use is a CheckpointLoadError on every rank, before any of them loads.
     """
+    from job import dcp_storage, sharded
     tree: dict[str, Any] | None = None
     metadata = None
     error: str | None = None
@@ -809,7 +823,8 @@ def _fingerprint(folder: Path, model_state: Any) -> str:
 def describe(folder: Path, manifest: Manifest) -> dict[str, Any]:
     """What ``job inspect`` prints: the position in training and a fingerprint of the weights."""
     if manifest.meta.get("sharded"):  # DCP reassembles the full tensors of any sharding
-        loaded = sharded.full_tree(folder, dcp_storage.read_metadata(folder, manifest), keys=[sharded.MODEL])
+        from job import dcp_storage, sharded
+        loaded = sharded.full_tree(folder, dcp_storage.read_metadata(folder, manifest), keys=[MODEL])
     else:
         loaded = load_state_file(folder)
     timer = manifest.timer

@@ -29,19 +29,21 @@ model draws from the global generators, and builds again without deferring where
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.nn.parameter import UninitializedTensorMixin
 
 from job import distributed
 from job.exceptions import ConfigError
 from state import capture_rng, restore_rng
 from state.display import clip
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 logger = logging.getLogger(__name__)
 
@@ -102,13 +104,13 @@ def initialise(model: nn.Module, factory: Callable[[], nn.Module], seed: Callabl
     if differs:
         raise ConfigError(f"{name} built two different models (they differ in {', '.join(sorted(differs)[:5])}): "
                           f"a factory that sets {OPT_IN} must build the same model each time")
-    sharded = any(isinstance(t, DTensor) for t in mine.values())
+    sharded = any(_is_dtensor(t) for t in mine.values())
     once: dict[int, tuple[str, torch.Tensor]] = {}  # a tied tensor once, under its first name
     for key, target in mine.items():
         once.setdefault(id(target), (key, target))
     with torch.no_grad():
         for key, target in once.values():
-            if isinstance(target, DTensor):  # FSDP2's shard (a view of its storage): this rank's slice of its own
+            if _is_dtensor(target):  # FSDP2's shard (a view of its storage): this rank's slice of its own
                 # model, as fully_shard cut it, from this rank's tensor, no collective
                 target.to_local().copy_(_my_slice(theirs[key].detach(), target))
             else:
@@ -124,10 +126,19 @@ def _my_slice(whole: torch.Tensor, target: DTensor) -> torch.Tensor:
     """This rank's part of ``whole`` (on the CPU) as ``target`` places it, cut on the CPU: only the part
     goes to the device (distribute_tensor would move the whole tensor there first). Placements other than
     Shard and Replicate (strided shards of FSDP over tensor parallelism) go through distribute_tensor."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     if all(type(p) in (Shard, Replicate) for p in target.placements):
         shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
         return whole[tuple(slice(start, start + size) for start, size in zip(offset, shape, strict=True))]
     return distribute_tensor(whole, target.device_mesh, target.placements, src_data_rank=None).to_local()
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor, without importing torch.distributed.tensor where nothing else has (it
+    takes a second; job.sharded_layout): until something has imported it, no tensor can be one."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
 
 
 def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -27,7 +27,7 @@ T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 # Each rank's own state in a checkpoint: its RNG streams, its train-metric accumulators, and (sharded runs
-# on several ranks only, job.sharded.own_buffers) its model buffers; absent entries are None.
+# on several ranks only, job.sharded_layout.own_buffers) its model buffers; absent entries are None.
 PER_RANK_KEYS = ("rng", "train_metrics", "buffers")
 PER_RANK = "per_rank"
 

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from job import dcp_storage, distributed, sharded
+from job import distributed
 from job.checkpoint import check_settings, load_shard
 from job.exceptions import CheckpointLoadError, OtherRankError, exit_code_for
 from job.logs import event
@@ -113,6 +113,7 @@ def _download_for_node(state: State, store: RemoteStore | None, manifest: Manife
 
 
 def _files_read(state: State, scratch: Path, manifest: Manifest) -> tuple[set[str], str | None]:
+    from job import dcp_storage, sharded  # DCP only where a sharded checkpoint is read (job.sharded_layout)
     try:
         return sharded.files_read(state, scratch, dcp_storage.read_metadata(scratch, manifest)), None
     except CheckpointLoadError as e:

@@ -20,7 +20,7 @@ import torch
 
 from job.exceptions import ADVICE, CheckpointLoadError
 from job.loop import unwrap
-from job.sharded import BUFFERS, own_buffers
+from job.sharded_layout import BUFFERS, own_buffers
 from state import SEED_LIMIT, TIMER_LIMIT, State
 from state.display import brief, clip
 from state.exceptions import StateError
@@ -59,7 +59,7 @@ def restore(state: State, tree: Mapping[Any, Any], source: str, step: int, timer
     absent = _optimizers_absent(state, tree["optimizers"])
     if absent:  # State only warns: the run would go on with the moments of a first step, not a resume
         raise CheckpointLoadError(f"checkpoint {source} is damaged: its optimizers hold no {absent} state; {ADVICE}")
-    buffers = tree.get(BUFFERS)  # a sharded run's, on as many ranks: this rank's own (job.sharded.own_buffers)
+    buffers = tree.get(BUFFERS)  # a sharded run's, on as many ranks: this rank's own (own_buffers)
     tree = {k: v for k, v in tree.items() if k != BUFFERS}
     try:
         state.load_state_dict(tree, strict=True)

@@ -12,7 +12,7 @@ job.dcp_storage: metadata as JSON, every read weights-only.
 What is not sharded stays out of DCP, in plain weights-only torch files: ``replicated.pt`` (written by
 rank 0: timer, schedulers, seed, computed metrics) and one ``rank-RRRRR-of-WWWWW.pt`` per rank (its RNG
 streams and metric accumulators, which job.elastic hands over on another number of ranks, and its model
-buffers: own_buffers).
+buffers: job.sharded_layout.own_buffers).
 
 A periodic save is asynchronous like an unsharded one (job.checkpoint; the durable ones, at the end
 and at preemption, take the same steps from the live state, in the training thread): the training
@@ -31,7 +31,7 @@ node or a shared volume; on nodes with disks of their own, what its node downloa
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -52,16 +52,8 @@ from torch.distributed.tensor import DTensor
 from job import dcp_storage
 from job.exceptions import CheckpointLoadError
 from job.safe_load import first_line
+from job.sharded_layout import MODEL, OPTIMIZERS
 from state import State
-
-MODEL, OPTIMIZERS = "model", "optimizers"  # the State entries that DCP saves and reshards
-BUFFERS = "buffers"  # each rank's own model buffers, in its rank file (own_buffers)
-
-
-def rank_file(rank: int, world: int) -> str:
-    """The file of one rank's own state (uploader.manifest.RANK_FILE_RE)."""
-    return f"rank-{rank:05d}-of-{world:05d}.pt"
-
 
 def shard_model(model: torch.nn.Module, device: torch.device, world: int) -> DeviceMesh:
     """FSDP2: shard each top-level child that has parameters, then the root (one all-gather per child).
@@ -102,17 +94,6 @@ def tied_groups(model: torch.nn.Module) -> list[list[torch.nn.Module]]:
 
 def _optimizers(state: State) -> dict[str, torch.optim.Optimizer]:
     return {type(opt).__qualname__: opt for opt in state.optimizers}
-
-
-def own_buffers(model: torch.nn.Module, state_dict: Mapping[str, Any] | None = None) -> dict[str, torch.Tensor]:
-    """This rank's persistent buffers (BatchNorm's running statistics...), by state-dict name. FSDP2 shards
-    parameters only and, unlike DDP, never makes the ranks' buffers equal: each rank's are its own state,
-    updated from its own batches. DCP saves one copy of each (they look replicated), and loaded that one
-    into every rank: a resume on as many ranks trained on with other statistics. So each rank also keeps
-    its own in its rank file, put back by job.restore. ``state_dict``: the model's, where the caller has it
-    already (a save): its names say which buffers are persistent."""
-    persistent = (model.state_dict() if state_dict is None else state_dict).keys()
-    return {name: buf for name, buf in model.named_buffers() if name in persistent}
 
 
 def save_tree(state: State) -> dict[str, Any]:

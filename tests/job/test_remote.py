@@ -4,12 +4,13 @@ from __future__ import annotations
 import json
 import shutil
 import signal
+import subprocess
 import sys
 
 import pytest
 
 from tests.support.disk import FILE_TOO_LARGE, limit_file_size, pull_refused
-from tests.support.jobs import events, inspect, run_job, s3_job_env
+from tests.support.jobs import REPO, events, inspect, run_job, s3_job_env
 from tests.support.polling import wait_until
 from tests.support.s3server import READER, Credentials, fast_config
 from uploader import local
@@ -233,3 +234,50 @@ def test_sigterm_during_the_start_up_download_exits_75_at_once(spawn, tmp_path, 
         assert list_set_aside(bucket) == []
     finally:
         bucket.close()
+
+
+# `python -m job` that reports, as it leaves (by sys.exit, or os._exit: job.cli.exit_now), which of the
+# sharded path's heavy modules it imported.
+REPORTS_IMPORTS = """
+import atexit, os, sys
+HEAVY = ("job.sharded", "job.dcp_storage", "torch.distributed.checkpoint", "torch.distributed.fsdp",
+         "torch.distributed.tensor")
+def report():
+    print("imported:", *sorted(m for m in HEAVY if m in sys.modules), flush=True)
+def report_then_leave(code, leave=os._exit):
+    report()
+    leave(code)
+atexit.register(report)
+os._exit = report_then_leave
+from job.entry import main
+main()
+"""
+
+
+def test_an_unsharded_job_never_imports_dcp(tmp_path, s3_bucket):
+    """torch.distributed.checkpoint, FSDP and DTensor take 1.5 s to import (job.sharded_layout). An unsharded
+    run's first start, its checkpoints and uploads, and a resume from the bucket onto an empty disk (the model
+    built without its random initialisation) never import DCP; `job inspect`, which builds no optimizer (its
+    constructor imports torch._dynamo, and that FSDP and DTensor), imports none of them."""
+    env, remote = s3_job_env(s3_bucket), s3_bucket.url("light")
+
+    def imported(*args: str) -> tuple[set[str], str]:
+        done = subprocess.run([sys.executable, "-c", REPORTS_IMPORTS, *args], env=env, capture_output=True, text=True,
+                              timeout=120, cwd=REPO)
+        assert done.returncode == 0, done.stderr[-3000:]
+        *out, report = done.stdout.splitlines()
+        assert report.startswith("imported:"), done.stdout[-2000:]
+        return set(report.split()[1:]), done.stderr if args[0] == "train" else "\n".join(out)
+
+    dcp = {"job.sharded", "job.dcp_storage", "torch.distributed.checkpoint"}
+    first, _ = imported("train", *ARGS, "--max-duration", "20ba", "--save-folder", str(tmp_path / "a"),
+                        "--remote", remote)
+    assert not first & dcp, first
+    again, log = imported("train", *ARGS, "--max-duration", "30ba", "--save-folder", str(tmp_path / "b"),
+                          "--remote", remote)
+    assert not again & dcp, again
+    assert [e["source"] for e in events(log) if e.get("event") == "resumed"] == [f"{remote}/step-000000000020"]
+    for where in (remote, str(tmp_path / "b")):
+        none, printed = imported("inspect", where)
+        assert not none, (where, none)
+        assert json.loads(printed)["step"] == 30

@@ -647,7 +647,7 @@ NORM_BUFFERS = {"shift.mean": torch.zeros(2), "norm.running_mean": torch.zeros(2
 ], ids=["not-a-mapping", "missing", "shape", "not-a-tensor", "dtype", "meta-after-good-ones", "hostile-names"])
 def test_a_ranks_buffers_that_are_not_the_models_are_a_damaged_checkpoint_and_change_nothing(saved: Any) -> None:
     from job.restore import _load_own_buffers as load_own_buffers
-    from job.sharded import own_buffers
+    from job.sharded_layout import own_buffers
     from tests.support.norm_model import build
 
     model = build()
