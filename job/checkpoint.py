@@ -5,8 +5,8 @@ with the sidecar); this module adds what needs torch: serializing the State and 
 ``torch.load(weights_only=True)``, so nothing in a checkpoint is ever executed as code. Sharded
 checkpoints (``--sharded``) are written and read through job.sharded (torch.distributed.checkpoint
 over job.dcp_storage); this module hashes their files and commits them like any other. It imports those
-two only in the functions that handle a sharded checkpoint: an unsharded run never loads DCP
-(job.sharded_layout).
+two only in the functions that handle a sharded checkpoint: a process that neither writes nor reads one
+never loads DCP (job.sharded_layout).
 """
 from __future__ import annotations
 

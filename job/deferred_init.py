@@ -137,8 +137,8 @@ def _my_slice(whole: torch.Tensor, target: DTensor) -> torch.Tensor:
 def _is_dtensor(t: torch.Tensor) -> bool:
     """Whether ``t`` is a DTensor, without importing torch.distributed.tensor where nothing else has (it
     takes a second; job.sharded_layout): until something has imported it, no tensor can be one."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(t, module.DTensor)
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)  # None: not (yet) imported
+    return dtensor is not None and isinstance(t, dtensor)
 
 
 def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -2,8 +2,8 @@
 
 A resume of any run restores a rank's own buffers (job.restore). Neither that nor these names needs
 torch.distributed.checkpoint (DCP), FSDP or DTensor, which job.sharded imports: so job.sharded is imported
-only where a sharded checkpoint is written or read, and ``job inspect`` of an unsharded checkpoint starts
-about 1.5 s sooner (BENCHMARKS.md, thirty-first session). A training process still imports FSDP and
+only where a sharded checkpoint is written or read, and ``job inspect`` of an unsharded checkpoint takes
+about 0.9 s less (BENCHMARKS.md, thirty-first session). A training process still imports FSDP and
 DTensor, through torch._dynamo, which torch.optim's constructor imports; it is spared DCP.
 """
 from __future__ import annotations

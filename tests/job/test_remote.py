@@ -255,7 +255,7 @@ main()
 
 
 def test_an_unsharded_job_never_imports_dcp(tmp_path, s3_bucket):
-    """torch.distributed.checkpoint, FSDP and DTensor take 1.5 s to import (job.sharded_layout). An unsharded
+    """torch.distributed.checkpoint, FSDP and DTensor take about 1.3 s to import (job.sharded_layout). An unsharded
     run's first start, its checkpoints and uploads, and a resume from the bucket onto an empty disk (the model
     built without its random initialisation) never import DCP; `job inspect`, which builds no optimizer (its
     constructor imports torch._dynamo, and that FSDP and DTensor), imports none of them."""
