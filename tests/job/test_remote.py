@@ -236,14 +236,14 @@ def test_sigterm_during_the_start_up_download_exits_75_at_once(spawn, tmp_path, 
         bucket.close()
 
 
-# `python -m job` that reports, as it leaves (by sys.exit, or os._exit: job.cli.exit_now), which of the
-# sharded path's heavy modules it imported.
+# `python -m job` that reports, as the last line of its stderr as it leaves (by sys.exit, or os._exit:
+# job.cli.exit_now), which of the sharded path's heavy modules it imported.
 REPORTS_IMPORTS = """
 import atexit, os, sys
 HEAVY = ("job.sharded", "job.dcp_storage", "torch.distributed.checkpoint", "torch.distributed.fsdp",
          "torch.distributed.tensor")
 def report():
-    print("imported:", *sorted(m for m in HEAVY if m in sys.modules), flush=True)
+    print("imported:", *sorted(m for m in HEAVY if m in sys.modules), file=sys.stderr, flush=True)
 def report_then_leave(code, leave=os._exit):
     report()
     leave(code)
@@ -261,23 +261,23 @@ def test_an_unsharded_job_never_imports_dcp(tmp_path, s3_bucket):
     constructor imports torch._dynamo, and that FSDP and DTensor), imports none of them."""
     env, remote = s3_job_env(s3_bucket), s3_bucket.url("light")
 
-    def imported(*args: str) -> tuple[set[str], str]:
+    def imported(*args: str) -> tuple[set[str], subprocess.CompletedProcess]:
         done = subprocess.run([sys.executable, "-c", REPORTS_IMPORTS, *args], env=env, capture_output=True, text=True,
                               timeout=120, cwd=REPO)
         assert done.returncode == 0, done.stderr[-3000:]
-        *out, report = done.stdout.splitlines()
-        assert report.startswith("imported:"), done.stdout[-2000:]
-        return set(report.split()[1:]), done.stderr if args[0] == "train" else "\n".join(out)
+        report = done.stderr.splitlines()[-1]
+        assert report.startswith("imported:"), done.stderr[-2000:]
+        return set(report.split()[1:]), done
 
     dcp = {"job.sharded", "job.dcp_storage", "torch.distributed.checkpoint"}
     first, _ = imported("train", *ARGS, "--max-duration", "20ba", "--save-folder", str(tmp_path / "a"),
                         "--remote", remote)
     assert not first & dcp, first
-    again, log = imported("train", *ARGS, "--max-duration", "30ba", "--save-folder", str(tmp_path / "b"),
-                          "--remote", remote)
+    again, done = imported("train", *ARGS, "--max-duration", "30ba", "--save-folder", str(tmp_path / "b"),
+                           "--remote", remote)
     assert not again & dcp, again
-    assert [e["source"] for e in events(log) if e.get("event") == "resumed"] == [f"{remote}/step-000000000020"]
+    assert [e["source"] for e in events(done.stderr) if e.get("event") == "resumed"] == [f"{remote}/step-000000000020"]
     for where in (remote, str(tmp_path / "b")):
-        none, printed = imported("inspect", where)
+        none, done = imported("inspect", where)
         assert not none, (where, none)
-        assert json.loads(printed)["step"] == 30
+        assert json.loads(done.stdout)["step"] == 30
