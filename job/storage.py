@@ -146,9 +146,17 @@ class RemoteStore:
     def pull_files(self, manifest: Manifest, paths: Collection[str], dest: Path) -> int:
         """Only ``paths`` of the remote checkpoint ``manifest``, verified, into the new folder ``dest``;
         the bytes downloaded. CorruptCheckpoint when one differs from the manifest. Waited for as a Pull:
-        a node of a multi-node resume answers a stop request at once, not when its part has downloaded."""
-        return self._in_thread("resume-pull", lambda: pull_files(
-            self.remote, manifest, paths, dest, abort=self._abort_pull)).result()
+        a node of a multi-node resume answers a stop request at once, not when its part has downloaded.
+
+        On a stop the download is ended before this raises, so the caller may delete ``dest``: left running,
+        it went on writing there (a listing answered after the delete made the folder anew, left behind)."""
+        pull = self._in_thread("resume-pull", lambda: pull_files(
+            self.remote, manifest, paths, dest, abort=self._abort_pull))
+        try:
+            return pull.result()
+        except StoppedBeforeTraining:
+            self._end_pull()
+            raise
 
     def set_aside(self, manifest: Manifest, reason: str) -> None:
         """A remote checkpoint that failed verification, out of every reader's way (uploader.sync), unless
@@ -227,15 +235,21 @@ class RemoteStore:
                 f"(--final-upload-timeout); it stays in {folder}, and the next start (or `uploader sync`) uploads it")
 
     def close(self, timeout: float | None = None) -> bool:
-        if self._pull is not None:  # a start-up that failed or stopped before using its pull: stop it, leave nothing
-            self._abort_pull.set()
-            self._pull.join(ABORT_GRACE)
-            if self._pull.is_alive():  # in a request the abort does not reach (a listing): cut the requests in flight
-                self.remote.cancel()
-                self._pull.join()
+        self._end_pull()  # a start-up that failed or stopped before using its pull: stop it, leave nothing
         ok = True if self.uploader is None else self.uploader.close(timeout)
         self.remote.close()
         return ok
+
+    def _end_pull(self) -> None:
+        """Abort the download still running in its thread, and wait for it to end. Irreversible: only once
+        the job has given up waiting for it (a stop, a failure, the end)."""
+        if self._pull is None or not self._pull.is_alive():
+            return
+        self._abort_pull.set()
+        self._pull.join(ABORT_GRACE)
+        if self._pull.is_alive():  # in a request the abort does not reach (a listing): cut the requests in flight
+            self.remote.cancel()
+            self._pull.join()
 
     def describe(self, ckpt: LocalCheckpoint) -> str:
         return f"{self.url.rstrip('/')}/{ckpt.name}"
