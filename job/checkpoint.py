@@ -28,12 +28,13 @@ import torch
 
 from job import distributed
 from job.direct_file import DirectFile
-from job.exceptions import CheckpointLoadError, CheckpointWriteError, ConfigError
+from job.exceptions import CheckpointLoadError, CheckpointWriteError, ConfigError, Diverged
 from job.logs import event
 from job.safe_load import first_line, load_weights_only
 from job.sharded_layout import BUFFERS, MODEL, OPTIMIZERS, own_buffers, rank_file
 from job.snapshot import Deferred, HostSnapshot, Path_, written_by_update
 from state import State
+from state.finite import first_nonfinite, trained_tensors
 from uploader import local
 from uploader.exceptions import CorruptCheckpoint, ManifestError
 from uploader.hashing import BLOCK_SIZE, HashingWriter, file_digest
@@ -81,6 +82,10 @@ class Checkpointer:
     nodes have disks of their own, each node leader for its node's part) writes the metadata and
     commits, in a thread of its own when a poll got there first. A failure anywhere is a CheckpointWriteError on every rank at that
     gather, the staging folder removed and the previous checkpoint untouched.
+
+    No path writes a state whose parameters or optimizer state hold NaN or Inf: a run that diverged would
+    push every good checkpoint out of retention. It is Diverged (exit 8) instead, found by the thread that
+    writes (state.finite: one reading pass), on every rank where the rest of a failure would be.
     """
 
     def __init__(self, folder: Path, keep: int, meta: dict[str, Any],
@@ -165,7 +170,7 @@ class Checkpointer:
         self.last_taken = step
         self.last_stall_seconds = time.perf_counter() - started
         self._writer = threading.Thread(target=self._write_in_background,
-                                        args=(tree, ready, self._deferred, step, timer),
+                                        args=(tree, ready, self._deferred, step, timer, state.parameter_names()),
                                         name=f"checkpoint-{step}", daemon=True)
         self._writer.start()
         return True
@@ -220,7 +225,8 @@ class Checkpointer:
                 ckpt = self._save_sharded_now(state)
             else:
                 tree = distributed.gather_per_rank(state.state_dict())
-                write = functools.partial(self._write, tree, state.timer.batch.value, state.timer.state_dict())
+                write = functools.partial(self._write, tree, state.timer.batch.value, state.timer.state_dict(),
+                                          state.parameter_names())
                 ckpt = distributed.run_together(write if distributed.rank() == 0 else None, "write its checkpoint")
         finally:
             self._durable_since = None
@@ -299,7 +305,8 @@ class Checkpointer:
                 shutil.rmtree(staging, ignore_errors=True)
             raise
         return _ShardedSave(step=step, save_id=save_id, staging=staging, own_disks=own_disks, upload=upload,
-                            timer=dict(state.timer.state_dict()), files=files, dcp=planned, ready=ready)
+                            timer=dict(state.timer.state_dict()), files=files, dcp=planned, ready=ready,
+                            shards=shards, parameters=state.parameter_names())
 
     def _write_shards(self, save: _ShardedSave, background: bool) -> None:
         """This rank's files of ``save``, fsynced and hashed. No collective: a background thread runs it.
@@ -310,6 +317,7 @@ class Checkpointer:
         try:
             for event in save.ready:
                 event.synchronize()
+            self._refuse_diverged(save.shards, save.parameters, save.step)  # each rank its own shards
             for name, tree in save.files.items():
                 save.entries.append(_write_file(save.staging / name, tree))
             with _without_torch_crc32():  # DCP torch.saves each tensor
@@ -317,6 +325,8 @@ class Checkpointer:
             for name in save.dcp.writer.data_files():
                 size, digest = file_digest(save.staging / name, BLOCK_SIZE)
                 save.entries.append(FileEntry(name, size, digest, BLOCK_SIZE))
+        except Diverged as e:
+            save.error, save.diverged = f"rank {rank}: {e}", True
         except OSError as e:
             save.error = f"rank {rank}: {e.strerror or e}"
         except Exception as e:  # noqa: BLE001 - every rank must learn of it at the gather, or the others wait
@@ -353,24 +363,27 @@ class Checkpointer:
     def _gather(self, save: _ShardedSave, background: bool) -> None:
         """Collective: every rank's written files and results; the commit starts where one is due."""
         gathered = distributed.all_gather((save.entries, save.results, save.error, distributed.node(),
-                                           save.write_seconds))
-        errors = [error for _, _, error, _, _ in gathered if error is not None]
+                                           save.write_seconds, save.diverged))
+        errors = [error for _, _, error, _, _, _ in gathered if error is not None]
         if errors:
             self._pending = None
             if distributed.node_leader():
                 shutil.rmtree(save.staging, ignore_errors=True)
+            diverged = [error for _, _, error, _, _, diverged in gathered if diverged]
+            if diverged:  # on every rank alike: NaN in one rank's shards is the whole model's
+                raise Diverged(diverged[0])
             self._fail(errors)
         save.committing, save.thread = True, None
         if save.own_disks:  # each node commits its part; the bucket commits the whole (uploader.sync)
             if not distributed.node_leader():
                 return
-            mine = [f for written, _, _, node, _ in gathered if node == distributed.node() for f in written]
+            mine = [f for written, _, _, node, _, _ in gathered if node == distributed.node() for f in written]
         elif distributed.rank() == 0:
-            mine = [f for written, _, _, _, _ in gathered for f in written]
+            mine = [f for written, *_ in gathered for f in written]
         else:
             return
-        results = [written for _, written, _, _, _ in gathered]
-        spent = max(seconds for *_, seconds in gathered)
+        results = [written for _, written, *_ in gathered]
+        spent = max(seconds for *_, seconds, _ in gathered)
         if background:
             save.thread = threading.Thread(target=self._commit_shards, args=(save, mine, results, spent),
                                            name=f"checkpoint-{save.step}-commit", daemon=True)
@@ -478,7 +491,7 @@ class Checkpointer:
         return error
 
     def _write_in_background(self, tree: Any, ready: Any, deferred: Deferred, step: int,
-                             timer: dict[str, int]) -> None:
+                             timer: dict[str, int], parameters: set[str]) -> None:
         try:
             _yield_cpu_to_training()  # the copy too: before_update takes over what is left of it
             if not deferred.run():
@@ -487,14 +500,16 @@ class Checkpointer:
                 return  # discarded before a byte is written (the training thread settled it already)
             if ready is not None:
                 ready.synchronize()
-            self._write(tree, step, timer, settled=deferred.wait_settled)
+            self._write(tree, step, timer, parameters, settled=deferred.wait_settled)
         except BaseException as e:  # noqa: BLE001 - handed to the training thread by wait()/save_async()
             self._error = e
 
-    def _write(self, tree: Any, step: int, timer: dict[str, int],
+    def _write(self, tree: Any, step: int, timer: dict[str, int], parameters: set[str],
                settled: Callable[[], bool] | None = None) -> local.LocalCheckpoint | None:
         """Serialize, hash, fsync and commit; on any OSError the previous checkpoints stay as they were.
-        ``settled``: False when the snapshot turned out stale (job.snapshot): then nothing is committed."""
+        ``settled``: False when the snapshot turned out stale (job.snapshot): then nothing is committed.
+        ``parameters``: the model entries of ``tree`` that are parameters (Diverged, before a byte is written)."""
+        self._refuse_diverged(tree, parameters, step)
         started = time.perf_counter()
         staging: Path | None = None
         try:
@@ -515,6 +530,18 @@ class Checkpointer:
                 f"cannot write a checkpoint to {self.folder}: {e.strerror or e}; free disk space or fix "
                 "permissions (the previous checkpoint is untouched)"
             ) from None
+
+    def _refuse_diverged(self, tree: Any, parameters: set[str], step: int) -> None:
+        """Diverged when the parameters or the optimizer state in ``tree`` hold NaN or Inf (state.finite)."""
+        bad = first_nonfinite(trained_tensors(tree, parameters))
+        if bad is None:
+            return
+        kept = local.list_committed(self.folder)
+        before = (f"the ones before it are kept (newest: step {kept[-1].step}); resume from it" if kept
+                  else "none was written before it; start again")
+        raise Diverged(f"training diverged: {bad} holds NaN or Inf at step {step}; that checkpoint is not written and "
+                       f"{before} with a change (a lower --lr, for one): with the same flags the same steps "
+                       "diverge again")
 
     def announce(self, step: int) -> None:
         """Hand the checkpoint of ``step`` to ``on_commit`` (the upload) if this process committed it
@@ -576,11 +603,14 @@ class _ShardedSave:
     files: dict[str, Any]  # this rank's plain torch files by name: its own state; on rank 0 the replicated state
     dcp: dcp_storage.PlannedSave
     ready: list[torch.cuda.Event]  # device copies into the host buffers, synchronized before the write
+    shards: dict[str, Any]  # what dcp writes: this rank's shards (their host copies, for a write in the background)
+    parameters: set[str]  # the model entries of ``shards`` that are parameters (state.finite)
     thread: threading.Thread | None = None  # this rank's part now running: its write, then (rank 0) the commit
     committing: bool = False  # written and gathered: the commit runs, or has run
     entries: list[FileEntry] = field(default_factory=list)
     results: list[WriteResult] = field(default_factory=list)
     error: str | None = None  # this rank's failure, told to every rank at the next gather
+    diverged: bool = False  # that failure is NaN or Inf in this rank's shards (Diverged on every rank)
     write_seconds: float = 0.0
     committed: local.LocalCheckpoint | None = None
 

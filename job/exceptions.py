@@ -10,6 +10,7 @@ Exit codes (README, "Exit codes"; also used by k8s podFailurePolicy):
   6   a checkpoint cannot be used (corrupt, hostile, incompatible, or --resume PATH is not one)
   7   a checkpoint cannot be written (disk full, permissions), or one pulled cannot be written locally;
       the previous one is untouched
+  8   training diverged: the state to checkpoint holds NaN or Inf; it is not written, the ones before it are kept
   75  stopped to be resumed (preempted: SIGTERM/SIGINT after a final checkpoint)
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ EXIT_NO_BUCKET = 4
 EXIT_UNREACHABLE = 5
 EXIT_BAD_CHECKPOINT = 6
 EXIT_WRITE_FAILED = 7
+EXIT_DIVERGED = 8
 EXIT_PREEMPTED = 75
 
 
@@ -46,6 +48,14 @@ class CheckpointLoadError(JobError):
 
 class CheckpointWriteError(JobError):
     exit_code = EXIT_WRITE_FAILED
+
+
+class Diverged(JobError):
+    """The state a checkpoint would hold has NaN or Inf in its parameters or optimizer state (state.finite): it
+    is not written, so retention never pushes a good checkpoint out for it. A new pod would resume the last
+    good one and, with the same flags, diverge at the same step: exit 8 fails the Kubernetes Job."""
+
+    exit_code = EXIT_DIVERGED
 
 
 class StoppedBeforeTraining(JobError):

@@ -2,7 +2,7 @@
 
 torchrun exits 1 whenever a worker fails, whatever the worker's own code, and 1 with a traceback when
 it is stopped by a signal itself. The codes the job documents (README, "Exit codes") are what
-Kubernetes' podFailurePolicy and JobSet's failurePolicy match: 75 restarts for free, 2, 3, 4 and 6
+Kubernetes' podFailurePolicy and JobSet's failurePolicy match: 75 restarts for free, 2, 3, 4, 6 and 8
 fail the run at once. Under plain torchrun neither rule ever fires, so a run stopped by a spot notice
 counts against ``maxRestarts`` and a misconfigured one is restarted until that runs out.
 

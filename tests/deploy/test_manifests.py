@@ -55,7 +55,7 @@ TRAINER_UID = 10001
 TRAINER_IMAGE = "spot-trainer"
 UPLOADER_IMAGE = "spot-trainer-uploader"
 EXIT_PREEMPTED = 75
-EXIT_FATAL = (2, 3, 4, 6)  # bad flags, credentials refused, bucket missing, unusable checkpoint
+EXIT_FATAL = (2, 3, 4, 6, 8)  # bad flags, credentials refused, bucket missing, unusable checkpoint, diverged
 EXIT_RETRIED = (1, 5, 7, 137)  # bug, storage unreachable, cannot write checkpoint, OOM kill
 
 # ---------------------------------------------------------------------------------------------

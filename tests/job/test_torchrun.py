@@ -185,6 +185,31 @@ def test_when_rank_0_cannot_write_a_checkpoint_every_rank_exits_7_and_says_why(t
     assert "(CheckpointWriteError: cannot write a checkpoint to" in told and list_committed(folder) == []
 
 
+@pytest.mark.parametrize("save", ["--async-save", "--sync-save", "--sharded"])
+def test_when_training_diverges_no_rank_writes_its_checkpoint_and_every_rank_exits_8(tmp_path, save):
+    """Unsharded, rank 0 finds the NaN in the state it writes and tells the others; sharded, each rank looks at
+    its own shards and every rank hears of any rank's at the gather (test_cli has the run on one process)."""
+    folder = tmp_path / "ck"
+    args = [save, "--model", "mlp", "--max-duration", "30ba", "--keep", "2", "--save-folder", str(folder)]
+    good = JobProcess(torchrun() + args, env=job_env())
+    assert good.wait(180) == 0, good.stderr[-3000:]
+    before = [(c.step, c.manifest()) for c in list_committed(folder)]
+    diverged = JobProcess(torchrun() + args + ["--max-duration", "90ba", "--lr", "1e30"], env=job_env())
+    diverged.wait(180)
+
+    if save == "--sharded":  # every rank says what the rank that found it said
+        errors = [line for line in diverged.stderr.splitlines() if line.startswith("job: error:")]
+        assert len(set(errors)) == 1 and len(errors) == 2, diverged.stderr[-3000:]
+        assert re.findall(r"exitcode\s*: (\d+) \(pid", diverged.stderr) == ["8"] * 2
+        own = errors[0].replace("job: error: rank 0: ", "job: error: ").replace("job: error: rank 1: ", "job: error: ")
+    else:
+        own, told = every_rank_failed(diverged.stderr, 8, "write its checkpoint")
+        assert "(Diverged: training diverged: " in told
+    # A parameter named: the model's state dict (DCP's, sharded) and its parameters have the same names
+    assert own.startswith("job: error: training diverged: model.") and "(newest: step 30)" in own, own
+    assert [(c.step, c.manifest()) for c in list_committed(folder)] == before
+
+
 @pytest.mark.s3
 @pytest.mark.parametrize(("fault", "when", "code", "what"), [
     ("denied", "mid-run", 3, "upload its checkpoints"),  # the credentials lost the right to write there

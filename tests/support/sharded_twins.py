@@ -68,7 +68,7 @@ def save(out: Path, steps: int = 2) -> int:
         tree = state.state_dict()
         tree.update(model=model, optimizers={"AdamW": by_id(optim)})
         full = Checkpointer(out / "full", keep=3, meta={**meta, "world_size": 1, "sharded": False})
-        full._write(tree, state.timer.batch.value, state.timer.state_dict())
+        full._write(tree, state.timer.batch.value, state.timer.state_dict(), set(model))
     distributed.barrier()
     return 0
 
