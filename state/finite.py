@@ -15,11 +15,10 @@ MODEL, OPTIMIZERS = "model", "optimizers"  # the keys of State.state_dict() (and
 def trained_tensors(tree: Mapping[str, Any], parameter_names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors of a state dict that training writes, by dotted name: the model's parameters (not its
     buffers, which may hold anything: an attention mask's -inf) and every optimizer's per-parameter state."""
-    model = tree.get(MODEL)
+    model, parameters = tree.get(MODEL), set(parameter_names)
     if isinstance(model, Mapping):
-        for name in parameter_names:
-            value = model.get(name)
-            if isinstance(value, torch.Tensor):
+        for name, value in model.items():  # in the model's order: the same name every time
+            if name in parameters and isinstance(value, torch.Tensor):
                 yield f"{MODEL}.{name}", value
     optimizers = tree.get(OPTIMIZERS)
     if isinstance(optimizers, Mapping):

@@ -80,3 +80,12 @@ def test_a_tree_of_another_shape_has_nothing_to_check(tree: dict[str, Any]) -> N
 def test_a_ddp_models_parameter_names_are_its_state_dicts_keys() -> None:
     state = stepped_state(torch.nn.parallel.DistributedDataParallel(Masked()))
     assert state.parameter_names() == {"linear.weight", "linear.bias"} < set(state.state_dict()["model"])
+
+
+def test_the_first_in_the_models_order_is_named_whatever_the_order_of_the_names_given() -> None:
+    state = stepped_state(Masked())
+    tree = state.state_dict()
+    for name in ("linear.weight", "linear.bias"):
+        tree["model"][name][0] = float("nan")
+    for names in (["linear.weight", "linear.bias"], ["linear.bias", "linear.weight"]):
+        assert first_nonfinite(trained_tensors(tree, names)) == "model.linear.weight"
