@@ -322,8 +322,10 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
             # One collective per step under torchrun: any rank's signal, due checkpoint, failed upload or stale
             # snapshot counts for all (the uploading ranks' failure reaches the others with its exit code, not as
             # a hang; rank 0's discarded snapshot is retaken by every rank's cadence alike).
-            checkpoint_now, stopping, failed, stale = distributed.agree(checkpoint_now, stop.should_stop(state),
-                                                                        failure is not None, stale)
+            checkpoint_now, stopping, failed, stale, write_failed = distributed.agree(
+                checkpoint_now, stop.should_stop(state), failure is not None, stale, checkpointer.write_failed())
+            if write_failed:  # the checkpoint written in the background: its failure now, on every rank
+                checkpointer.wait()
             if failed:
                 distributed.raise_together(failure, "upload its checkpoints")
             if stale:

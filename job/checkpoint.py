@@ -211,6 +211,12 @@ class Checkpointer:
                            "writes its parameters in forward, e.g. nn.Embedding(max_norm=...)); they are copied at "
                            "once from now on, and the checkpoint is taken again", self.last_taken, names)
 
+    def write_failed(self) -> bool:
+        """An unsharded write in the background has failed (a full disk: 7, a diverged state: 8), seen without
+        waiting, so that the loop raises it after this step (:meth:`wait`, on every rank) instead of training on
+        with no checkpoint until the next is due. A sharded one is raised at the poll after every step already."""
+        return self._error is not None
+
     def take_discarded(self) -> int | None:
         """The step of the last snapshot discarded as stale (once): it will never be committed."""
         step, self._discarded = self._discarded, None

@@ -243,22 +243,26 @@ def test_a_run_that_diverges_writes_no_checkpoint_of_it_and_keeps_the_good_ones(
     """A run whose parameters turned NaN went on checkpointing them, and after --keep saves retention had
     pushed every good checkpoint out, in the folder and in the remote: nothing left to resume from. Now
     the checkpoint of a state with NaN or Inf is not written: exit 8, one line naming the tensor, the step
-    and the newest checkpoint kept, the folder and the remote as they were."""
+    and the newest checkpoint kept, the folder and the remote as they were. The job stops after the step in
+    which the writer found it, not once the next checkpoint is due (step 200): it trains for nothing till then."""
     folder, remote = tmp_path / "ck", tmp_path / "remote"
-    args = (*TINY_ARGS, "--save-folder", str(folder), "--remote", f"file://{remote}", "--save-interval", "10ba",
-            "--keep", "2")
+    args = (*TINY_ARGS, "--model", "tests.support.slow_model:build", "--save-folder", str(folder),
+            "--remote", f"file://{remote}", "--save-interval", "10ba", "--keep", "2")
     assert run_job("train", *args).returncode == 0
     before, uploaded = checkpoints_of(folder), checkpoints_of(remote)
     assert {name.split("/")[0] for name in uploaded} >= {"step-000000000030"}
-    done = run_job("train", *args, "--max-duration", "90ba", "--lr", "1e30")
+    done = run_job("train", *args, "--max-duration", "400ba", "--save-interval", "100ba", "--lr", "1e30",
+                   "--log-interval", "1")
     assert done.returncode == 8, done.stderr
     last = done.stderr.strip().splitlines()[-1]
-    assert re.fullmatch(r"job: error: training diverged: model\.\S+ holds NaN or Inf at step (40|50); "
-                        r"that checkpoint is not written and the ones before it are kept \(newest: step 30\); "
-                        r"resume from it with a change .*", last), last
+    assert re.fullmatch(r"job: error: training diverged: model\.\S+ holds NaN or Inf at step 100; that checkpoint "
+                        r"is not written and the ones before it are kept \(newest: step 30\); resume from it with a "
+                        r"change .*", last), last
     assert checkpoints_of(folder) == before and checkpoints_of(remote) == uploaded
     assert not [p for p in folder.iterdir() if p.name.startswith(local.STAGING_PREFIX)]
     assert json.loads((folder / local.FINISHED_NAME).read_text()) == {"step": 30, "reason": "failed"}
+    # The writer's check and its failure take milliseconds; 100 slow steps are 2 s.
+    assert 100 <= max(e["step"] for e in events(done.stderr) if e.get("event") == "progress") < 200
 
 
 def test_unwritable_save_folder_fails_at_start_up(tmp_path):
