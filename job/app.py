@@ -319,9 +319,10 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
                 checkpoint_now = spot_handler.poll(state) or checkpoint_now
             failure = _failure_of(store.check) if store is not None else None
             stale = checkpointer.take_discarded() is not None
-            # One collective per step under torchrun: any rank's signal, due checkpoint, failed upload or stale
-            # snapshot counts for all (the uploading ranks' failure reaches the others with its exit code, not as
-            # a hang; rank 0's discarded snapshot is retaken by every rank's cadence alike).
+            # One collective per step under torchrun: any rank's signal, due checkpoint, failed upload, stale
+            # snapshot or failed background write counts for all (the uploading or writing rank's failure reaches
+            # the others with its exit code, not as a hang; rank 0's discarded snapshot is retaken by every rank's
+            # cadence alike).
             checkpoint_now, stopping, failed, stale, write_failed = distributed.agree(
                 checkpoint_now, stop.should_stop(state), failure is not None, stale, checkpointer.write_failed())
             if write_failed:  # the checkpoint written in the background: its failure now, on every rank
