@@ -242,14 +242,18 @@ class RemoteStore:
 
     def _end_pull(self) -> None:
         """Abort the download still running in its thread, and wait for it to end. Irreversible: only once
-        the job has given up waiting for it (a stop, a failure, the end)."""
+        the job has given up waiting for it (a stop, a failure, the end). Bounded: a thread held by the local
+        disk (a hung volume), where no abort reaches, is left to the process's exit, which is not held up."""
         if self._pull is None or not self._pull.is_alive():
             return
         self._abort_pull.set()
         self._pull.join(ABORT_GRACE)
         if self._pull.is_alive():  # in a request the abort does not reach (a listing): cut the requests in flight
             self.remote.cancel()
-            self._pull.join()
+            self._pull.join(ABORT_GRACE)
+        if self._pull.is_alive():
+            logger.warning("the start-up's download did not end %g s after it was cancelled; leaving it to the exit "
+                           "(what it wrote is removed by the next start)", 2 * ABORT_GRACE)
 
     def describe(self, ckpt: LocalCheckpoint) -> str:
         return f"{self.url.rstrip('/')}/{ckpt.name}"
