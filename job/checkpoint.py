@@ -34,7 +34,7 @@ from job.safe_load import first_line, load_weights_only
 from job.sharded_layout import BUFFERS, MODEL, OPTIMIZERS, own_buffers, rank_file
 from job.snapshot import Deferred, HostSnapshot, Path_, written_by_update
 from state import State
-from state.finite import first_nonfinite, trained_tensors
+from state.finite import collapsed_loss_scale, first_nonfinite, parameter_keys, trained_tensors
 from uploader import local
 from uploader.exceptions import CorruptCheckpoint, ManifestError
 from uploader.hashing import BLOCK_SIZE, HashingWriter, file_digest
@@ -83,9 +83,10 @@ class Checkpointer:
     commits, in a thread of its own when a poll got there first. A failure anywhere is a CheckpointWriteError on every rank at that
     gather, the staging folder removed and the previous checkpoint untouched.
 
-    No path writes a state whose parameters or optimizer state hold NaN or Inf: a run that diverged would
-    push every good checkpoint out of retention. It is Diverged (exit 8) instead, found by the thread that
-    writes (state.finite: one reading pass), on every rank where the rest of a failure would be.
+    No path writes a state whose parameters or optimizer state hold NaN or Inf, or whose loss scale backed off
+    to 0: a run that diverged would push every good checkpoint out of retention. It is Diverged (exit 8)
+    instead, found by the thread that writes (state.finite: one reading pass), on every rank where the rest of
+    a failure would be.
     """
 
     def __init__(self, folder: Path, keep: int, meta: dict[str, Any],
@@ -165,12 +166,13 @@ class Checkpointer:
         if distributed.rank() != 0:  # rank 0 writes the replicated state, with every rank's own part
             return True
         self._reserved()
+        parameters = parameter_keys(tree[MODEL], state.model)  # of the live tensors: a copy is not theirs
         tree, ready, self._deferred = self._snapshot.capture_pipelined(tree, self._later(state))
         step, timer = state.timer.batch.value, state.timer.state_dict()
         self.last_taken = step
         self.last_stall_seconds = time.perf_counter() - started
         self._writer = threading.Thread(target=self._write_in_background,
-                                        args=(tree, ready, self._deferred, step, timer, state.parameter_names()),
+                                        args=(tree, ready, self._deferred, step, timer, parameters),
                                         name=f"checkpoint-{step}", daemon=True)
         self._writer.start()
         return True
@@ -232,7 +234,7 @@ class Checkpointer:
             else:
                 tree = distributed.gather_per_rank(state.state_dict())
                 write = functools.partial(self._write, tree, state.timer.batch.value, state.timer.state_dict(),
-                                          state.parameter_names())
+                                          parameter_keys(tree[MODEL], state.model))
                 ckpt = distributed.run_together(write if distributed.rank() == 0 else None, "write its checkpoint")
         finally:
             self._durable_since = None
@@ -293,6 +295,7 @@ class Checkpointer:
             files[REPLICATED_FILE] = {k: v for k, v in tree.items()
                                       if k not in (MODEL, OPTIMIZERS, *distributed.PER_RANK_KEYS)}
         shards = sharded.save_tree(state)
+        parameters = parameter_keys(shards[MODEL], state.model)  # of the live shards: a copy is not theirs
         ready: list[torch.cuda.Event] = []
         failure: str | None = None
         if copy:
@@ -312,7 +315,7 @@ class Checkpointer:
             raise
         return _ShardedSave(step=step, save_id=save_id, staging=staging, own_disks=own_disks, upload=upload,
                             timer=dict(state.timer.state_dict()), files=files, dcp=planned, ready=ready,
-                            shards=shards, parameters=state.parameter_names())
+                            shards=shards, parameters=parameters)
 
     def _write_shards(self, save: _ShardedSave, background: bool) -> None:
         """This rank's files of ``save``, fsynced and hashed. No collective: a background thread runs it.
@@ -323,7 +326,8 @@ class Checkpointer:
         try:
             for event in save.ready:
                 event.synchronize()
-            self._refuse_diverged(save.shards, save.parameters, save.step)  # each rank its own shards
+            # Each rank its own shards; rank 0 the loss scale too (the replicated state's).
+            self._refuse_diverged({**save.files.get(REPLICATED_FILE, {}), **save.shards}, save.parameters, save.step)
             for name, tree in save.files.items():
                 save.entries.append(_write_file(save.staging / name, tree))
             with _without_torch_crc32():  # DCP torch.saves each tensor
@@ -538,16 +542,19 @@ class Checkpointer:
             ) from None
 
     def _refuse_diverged(self, tree: Any, parameters: set[str], step: int) -> None:
-        """Diverged when the parameters or the optimizer state in ``tree`` hold NaN or Inf (state.finite)."""
+        """Diverged when the parameters or the optimizer state in ``tree`` hold NaN or Inf, or its loss scale
+        backed off to 0 (state.finite)."""
         bad = first_nonfinite(trained_tensors(tree, parameters))
-        if bad is None:
+        scale = collapsed_loss_scale(tree) if bad is None else None
+        if bad is None and scale is None:
             return
+        what = (f"{bad} holds NaN or Inf" if bad is not None else f"the loss scale (--precision amp_fp16, "
+                f"{scale[0]}) is {scale[1]:g}, and from there every step overflows")
         kept = local.list_committed(self.folder)
-        before = (f"the ones before it are kept (newest: step {kept[-1].step}); resume from it" if kept
-                  else "none was written before it; start again")
-        raise Diverged(f"training diverged: {bad} holds NaN or Inf at step {step}; that checkpoint is not written and "
-                       f"{before} with a change (a lower --lr, for one): with the same flags the same steps "
-                       "diverge again")
+        newest = f"newest in {self.folder}: step {kept[-1].step}" if kept else f"none in {self.folder}"
+        raise Diverged(f"training diverged at step {step}: {what}; that checkpoint is not written, and the ones before "
+                       f"it are kept ({newest}); resume the newest good one with a change (a lower --lr, for one): "
+                       "with the same flags the same steps diverge again")
 
     def announce(self, step: int) -> None:
         """Hand the checkpoint of ``step`` to ``on_commit`` (the upload) if this process committed it

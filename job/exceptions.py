@@ -10,7 +10,8 @@ Exit codes (README, "Exit codes"; also used by k8s podFailurePolicy):
   6   a checkpoint cannot be used (corrupt, hostile, incompatible, or --resume PATH is not one)
   7   a checkpoint cannot be written (disk full, permissions), or one pulled cannot be written locally;
       the previous one is untouched
-  8   training diverged: the state to checkpoint holds NaN or Inf; it is not written, the ones before it are kept
+  8   training diverged: the state to checkpoint holds NaN or Inf (or its float16 loss scale is 0); it is not
+      written, the ones before it are kept
   75  stopped to be resumed (preempted: SIGTERM/SIGINT after a final checkpoint)
 """
 from __future__ import annotations
@@ -51,9 +52,10 @@ class CheckpointWriteError(JobError):
 
 
 class Diverged(JobError):
-    """The state a checkpoint would hold has NaN or Inf in its parameters or optimizer state (state.finite): it
-    is not written, so retention never pushes a good checkpoint out for it. A new pod would resume the last
-    good one and, with the same flags, diverge at the same step: exit 8 fails the Kubernetes Job."""
+    """The state a checkpoint would hold has NaN or Inf in its parameters or optimizer state, or a loss scale
+    that backed off to 0 (state.finite): it is not written, so retention never pushes a good checkpoint out
+    for it. A new pod would resume the last good one and, with the same flags, diverge at the same step: exit
+    8 fails the Kubernetes Job."""
 
     exit_code = EXIT_DIVERGED
 

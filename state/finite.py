@@ -1,24 +1,41 @@
 """Whether a training state is still numbers. A run that diverged holds NaN or Inf in its parameters or its
-optimizer's moments from then on; a checkpoint of that state would push a good one out of retention (the
-newest ``--keep`` stay, locally and in the bucket) with a state nothing can train from again."""
+optimizer's moments from then on, or (float16 mixed precision) a loss scale that backed off to 0, from which
+every step overflows; a checkpoint of that state would push a good one out of retention (the newest
+``--keep`` stay, locally and in the bucket) with a state nothing can train from again."""
 from __future__ import annotations
 
+import logging
+import math
 import sys
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 
-MODEL, OPTIMIZERS = "model", "optimizers"  # the keys of State.state_dict() (and of job.sharded's save tree)
+logger = logging.getLogger(__name__)
+
+# The keys of State.state_dict() (and of job.sharded's save tree, beside its replicated file's).
+MODEL, OPTIMIZERS, SCALER = "model", "optimizers", "scaler"
 
 
-def trained_tensors(tree: Mapping[str, Any], parameter_names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors of a state dict that training writes, by dotted name: the model's parameters (not its
-    buffers, which may hold anything: an attention mask's -inf) and every optimizer's per-parameter state."""
-    model, parameters = tree.get(MODEL), set(parameter_names)
+def parameter_keys(model_state: Mapping[str, Any], model: torch.nn.Module) -> set[str]:
+    """The keys of a model state dict (State.state_dict()'s, or DCP's when sharded) whose tensors are the
+    trainable parameters of ``model``. Matched by storage, not by name: wrappers rename keys (DDP's prefix,
+    checkpoint_wrapper's, torch.compile's under DCP), and a name missed would be a parameter never checked.
+    Not the buffers (an attention mask holds -inf by design), nor frozen parameters: training writes neither.
+    Of the live state dict, before any copy (a copy has storage of its own)."""
+    trained = {_storage(p) for p in model.parameters() if p.requires_grad} - {None}
+    return {key for key, value in model_state.items()
+            if isinstance(value, torch.Tensor) and _storage(value) in trained}
+
+
+def trained_tensors(tree: Mapping[str, Any], parameters: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of a state dict that training writes, by dotted name, in the model's order: the model's
+    ``parameters`` (parameter_keys) and every optimizer's per-parameter state."""
+    model, wanted = tree.get(MODEL), set(parameters)
     if isinstance(model, Mapping):
-        for name, value in model.items():  # in the model's order: the same name every time
-            if name in parameters and isinstance(value, torch.Tensor):
+        for name, value in model.items():
+            if name in wanted and isinstance(value, torch.Tensor):
                 yield f"{MODEL}.{name}", value
     optimizers = tree.get(OPTIMIZERS)
     if isinstance(optimizers, Mapping):
@@ -35,7 +52,9 @@ def first_nonfinite(named: Iterable[tuple[str, torch.Tensor]]) -> str | None:
 
     One reading pass over each tensor and no allocation of its size: a sum is finite when every element
     is, and NaN or Inf anywhere makes it NaN or Inf. A finite tensor whose sum overflows (values near the
-    float32 limit) is told apart by an exact look at that tensor only. One synchronization per device."""
+    float32 limit) is told apart by an exact look at that tensor only. Types narrower than float32 (float16,
+    bfloat16, float8) are summed in float32. One synchronization per device. A tensor torch cannot sum (a
+    subclass) is skipped with a warning: never a crash, nor a healthy run refused."""
     names: dict[torch.device, list[str]] = {}
     sums: dict[torch.device, list[torch.Tensor]] = {}
     tensors: dict[str, torch.Tensor] = {}
@@ -43,14 +62,45 @@ def first_nonfinite(named: Iterable[tuple[str, torch.Tensor]]) -> str | None:
         local = _local(tensor)
         if not (local.is_floating_point() or local.is_complex()) or local.is_meta or local.numel() == 0:
             continue
-        low = local.dtype in (torch.float16, torch.bfloat16)  # summed in float32: no overflow from their range
-        total = local.sum(dtype=torch.float32) if low else local.sum()
-        names.setdefault(local.device, []).append(name)
-        sums.setdefault(local.device, []).append(total.abs().double() if local.is_complex() else total.double())
+        try:
+            total = local.sum(dtype=torch.float32) if _narrow(local) else local.sum()
+            total = total.abs().double() if total.is_complex() else total.double()
+        except (RuntimeError, TypeError, NotImplementedError) as e:
+            logger.warning("%s (%s) was not checked for NaN or Inf: %s", name, local.dtype, str(e).splitlines()[0])
+            continue
+        names.setdefault(total.device, []).append(name)
+        sums.setdefault(total.device, []).append(total)
         tensors[name] = local
     suspects = [name for device, found in sums.items()
                 for name, finite in zip(names[device], torch.isfinite(torch.stack(found)).tolist()) if not finite]
-    return next((name for name in suspects if not bool(torch.isfinite(tensors[name]).all())), None)
+    return next((name for name in suspects if not _all_finite(tensors[name])), None)
+
+
+def collapsed_loss_scale(tree: Mapping[str, Any]) -> tuple[str, float] | None:
+    """The gradient scaler whose scale backed off to 0 (float32 underflows after about 166 overflowing steps
+    in a row) or is no longer a finite positive number, with that scale: from it every step overflows and is
+    skipped, so the weights stay finite and only the scale tells. None for every other state."""
+    scalers = tree.get(SCALER)
+    for kind, saved in scalers.items() if isinstance(scalers, Mapping) else ():
+        scale = saved.get("scale") if isinstance(saved, Mapping) else None
+        if isinstance(scale, torch.Tensor) and scale.numel() == 1:
+            scale = scale.item()
+        if isinstance(scale, (int, float)) and not isinstance(scale, bool) and not (0 < scale < math.inf):
+            return str(kind), float(scale)
+    return None
+
+
+def _narrow(tensor: torch.Tensor) -> bool:
+    return tensor.is_floating_point() and tensor.element_size() < 4
+
+
+def _all_finite(tensor: torch.Tensor) -> bool:
+    return bool(torch.isfinite(tensor.float() if _narrow(tensor) else tensor).all())  # float8 has no isfinite
+
+
+def _storage(tensor: torch.Tensor) -> tuple[torch.device, int] | None:
+    local = _local(tensor)
+    return None if local.is_meta or local.numel() == 0 else (local.device, local.data_ptr())
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

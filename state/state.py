@@ -380,13 +380,6 @@ class State(Serializable):
             consume_prefix_in_state_dict_if_present(model_state, _DDP_PREFIX)
         return model_state
 
-    def parameter_names(self) -> set[str]:
-        """The keys of ``state_dict()["model"]`` that are parameters; the others are buffers (state.finite)."""
-        names = {name for name, _ in self.model.named_parameters()}
-        if self.is_model_ddp:
-            names = {name.removeprefix(_DDP_PREFIX) for name in names}
-        return names
-
     def _by_type_state_dict(self, name: str) -> dict[str, Any]:
         result: dict[str, Any] = {}
         for obj in _as_list(getattr(self, name)):

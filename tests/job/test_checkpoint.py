@@ -14,9 +14,10 @@ import torch
 
 from job.checkpoint import (STATE_FILE, Checkpointer, _without_torch_crc32, describe, load_state_file, model_sha256,
                             open_checkpoint)
-from job.exceptions import CheckpointLoadError
+from job.exceptions import CheckpointLoadError, Diverged
 from tests.support.checkpoints import checkpoints_of, make_checkpoint, zip_crc32s
 from tests.support.jobs import ckpt_config, train_state
+from tests.support.polling import wait_until
 from uploader import local
 from uploader.hashing import BLOCK_SIZE, file_digest, sha256_file
 from uploader.manifest import FORMAT_VERSION, FileEntry, Manifest
@@ -65,6 +66,46 @@ def test_overlapping_saves_keep_the_crc32_off_until_the_last_ends():
     finally:
         second.__exit__(None, None, None)
     assert torch.serialization.get_crc32_options()
+
+
+def _nan_weight(state):
+    with torch.no_grad():
+        next(state.model.parameters())[0] = float("nan")
+
+
+def _inf_moment(state):
+    moments = next(iter(state.optimizers[0].state.values()))
+    moments["exp_avg_sq"].fill_(float("inf"))
+
+
+def _scale_backed_off_to_0(state):
+    state.scaler = torch.amp.GradScaler("cpu", init_scale=0.0)
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["save", "save_async"])
+@pytest.mark.parametrize(("diverge", "said"), [
+    (_nan_weight, r"model\.\S+\.weight holds NaN or Inf"),
+    (_inf_moment, r"optimizers\.AdamW\.state\.0\.exp_avg_sq holds NaN or Inf"),
+    (_scale_backed_off_to_0, r"the loss scale \(--precision amp_fp16, GradScaler\) is 0, and from there every step "
+                             r"overflows"),
+])
+def test_a_state_that_diverged_is_never_written(saved, async_save, diverge, said):
+    """Written, it would have replaced step 40 (a re-save of the same step) and pushed the good ones out of
+    retention after --keep saves; it is Diverged (exit 8) instead, the folder as it was."""
+    state, folder = saved
+    before = checkpoints_of(folder)
+    diverge(state)
+    checkpointer = Checkpointer(folder, keep=3, meta={})
+    kept = rf"that checkpoint is not written, and the ones before it are kept \(newest in {re.escape(str(folder))}: "
+    with pytest.raises(Diverged, match=rf"^training diverged at step 40: {said}; {kept}step 40\)"):
+        if async_save:
+            assert checkpointer.save_async(state)
+            wait_until(checkpointer.write_failed, timeout=60, what="the writer's failure, seen without waiting")
+            checkpointer.wait()
+        else:
+            checkpointer.save(state)
+    assert checkpoints_of(folder) == before
+    assert not [p for p in folder.iterdir() if p.name.startswith(local.STAGING_PREFIX)]
 
 
 def test_newest_complete_checkpoint_is_chosen(saved):

@@ -255,9 +255,9 @@ def test_a_run_that_diverges_writes_no_checkpoint_of_it_and_keeps_the_good_ones(
                    "--log-interval", "1")
     assert done.returncode == 8, done.stderr
     last = done.stderr.strip().splitlines()[-1]
-    assert re.fullmatch(r"job: error: training diverged: model\.\S+ holds NaN or Inf at step 100; that checkpoint "
-                        r"is not written and the ones before it are kept \(newest: step 30\); resume from it with a "
-                        r"change .*", last), last
+    assert re.fullmatch(rf"job: error: training diverged at step 100: model\.\S+ holds NaN or Inf; that checkpoint "
+                        rf"is not written, and the ones before it are kept \(newest in {re.escape(str(folder))}: step "
+                        r"30\); resume the newest good one with a change .*", last), last
     assert checkpoints_of(folder) == before and checkpoints_of(remote) == uploaded
     assert not [p for p in folder.iterdir() if p.name.startswith(local.STAGING_PREFIX)]
     assert json.loads((folder / local.FINISHED_NAME).read_text()) == {"step": 30, "reason": "failed"}

@@ -204,9 +204,10 @@ def test_when_training_diverges_no_rank_writes_its_checkpoint_and_every_rank_exi
         own = errors[0].replace("job: error: rank 0: ", "job: error: ").replace("job: error: rank 1: ", "job: error: ")
     else:
         own, told = every_rank_failed(diverged.stderr, 8, "write its checkpoint")
-        assert "(Diverged: training diverged: " in told
+        assert "(Diverged: training diverged at step " in told
     # A parameter named: the model's state dict (DCP's, sharded) and its parameters have the same names
-    assert own.startswith("job: error: training diverged: model.") and "(newest: step 30)" in own, own
+    assert own.startswith("job: error: training diverged at step ") and ": model." in own, own
+    assert f"(newest in {folder}: step 30)" in own, own
     assert [(c.step, c.manifest()) for c in list_committed(folder)] == before
 
 
