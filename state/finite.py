@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import math
 import sys
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -24,9 +24,10 @@ def parameter_keys(model_state: Mapping[str, Any], model: torch.nn.Module) -> se
     checkpoint_wrapper's, torch.compile's under DCP), and a name missed would be a parameter never checked.
     Not the buffers (an attention mask holds -inf by design), nor frozen parameters: training writes neither.
     Of the live state dict, before any copy (a copy has storage of its own)."""
-    trained = {_storage(p) for p in model.parameters() if p.requires_grad} - {None}
+    local = _localizer()
+    trained = {_storage(local(p)) for p in model.parameters() if p.requires_grad} - {None}
     return {key for key, value in model_state.items()
-            if isinstance(value, torch.Tensor) and _storage(value) in trained}
+            if isinstance(value, torch.Tensor) and _storage(local(value)) in trained}
 
 
 def trained_tensors(tree: Mapping[str, Any], parameters: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -58,8 +59,9 @@ def first_nonfinite(named: Iterable[tuple[str, torch.Tensor]]) -> str | None:
     names: dict[torch.device, list[str]] = {}
     sums: dict[torch.device, list[torch.Tensor]] = {}
     tensors: dict[str, torch.Tensor] = {}
+    to_local = _localizer()
     for name, tensor in named:
-        local = _local(tensor)
+        local = to_local(tensor)
         if not (local.is_floating_point() or local.is_complex()) or local.is_meta or local.numel() == 0:
             continue
         try:
@@ -98,13 +100,14 @@ def _all_finite(tensor: torch.Tensor) -> bool:
     return bool(torch.isfinite(tensor.float() if _narrow(tensor) else tensor).all())  # float8 has no isfinite
 
 
-def _storage(tensor: torch.Tensor) -> tuple[torch.device, int] | None:
-    local = _local(tensor)
+def _storage(local: torch.Tensor) -> tuple[torch.device, int] | None:
     return None if local.is_meta or local.numel() == 0 else (local.device, local.data_ptr())
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def _localizer() -> Callable[[torch.Tensor], torch.Tensor]:
     """A DTensor's shard on this rank (each rank checks its own); any other tensor as it is. Told apart
     without importing torch.distributed.tensor: until something has, no tensor can be one."""
     dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
-    return tensor.to_local() if dtensor is not None and isinstance(tensor, dtensor) else tensor
+    if dtensor is None:
+        return lambda tensor: tensor
+    return lambda tensor: tensor.to_local() if isinstance(tensor, dtensor) else tensor
