@@ -205,7 +205,7 @@ def test_when_training_diverges_no_rank_writes_its_checkpoint_and_every_rank_exi
     else:
         own, told = every_rank_failed(diverged.stderr, 8, "write its checkpoint")
         assert "(Diverged: training diverged at step " in told
-    # A parameter named: the model's state dict (DCP's, sharded) and its parameters have the same names
+    # A parameter named: found among the state dict's entries (DCP's shards, sharded) by its storage
     assert own.startswith("job: error: training diverged at step ") and ": model." in own, own
     assert f"(newest in {folder}: step 30)" in own, own
     assert [(c.step, c.manifest()) for c in list_committed(folder)] == before
