@@ -102,7 +102,7 @@ class Checkpointer:
         # How long the loop was blocked by the last save (a sharded one's: its copy and plan, then the gather
         # that completes it after a later step).
         self.last_stall_seconds: float | None = None
-        self.last_write_seconds: float | None = None  # serialize + hash + fsync + commit of the last one
+        self.last_write_seconds: float | None = None  # check + serialize + hash + fsync + commit of the last one
         self._durable_since: float | None = None  # a durable save() is running in the training thread since
         self._snapshot = HostSnapshot(pin_memory)
         self._host_shards: HostStaging | None = None
@@ -519,8 +519,8 @@ class Checkpointer:
         """Serialize, hash, fsync and commit; on any OSError the previous checkpoints stay as they were.
         ``settled``: False when the snapshot turned out stale (job.snapshot): then nothing is committed.
         ``parameters``: the model entries of ``tree`` that are parameters (Diverged, before a byte is written)."""
+        started = time.perf_counter()  # the check is part of the write: a preemption's estimate counts it too
         self._refuse_diverged(tree, parameters, step)
-        started = time.perf_counter()
         staging: Path | None = None
         try:
             staging = local.staging_dir(self.folder, step)
