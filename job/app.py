@@ -389,3 +389,5 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
             life.close()
         if store is not None:  # a failed or stopped job does not wait for uploads: they had their time
             store.close(timeout=0 if stop.requested or failed else None)
+        if life is not None:
+            life.settle()

@@ -35,6 +35,8 @@ logger = logging.getLogger(__name__)
 # The newest checkpoints a record lists one by one (~110 bytes each); older ones are summed up, so a
 # life of months still fits goodput's 1 MiB limit on a record and is cheap to rewrite.
 MAX_CHECKPOINTS = 2000
+READER_GRACE = 2.0  # seconds the end of a life waits for the read of the earlier ones, its remote closed
+
 
 def process_start_time() -> float:
     """When this process started (Linux: /proc), so that start-up includes the interpreter and imports;
@@ -70,6 +72,7 @@ class Ledger:
         self._broken = False
         self._stop_at: float | None = None
         self._unsubscribe: Callable[[], None] = lambda: None
+        self._reader: threading.Thread | None = None  # the read of the earlier lives (from the first step)
         self._made: list[Path] = []  # folders created for the record, outermost first
         self.record: dict[str, Any] = {
             "format_version": FORMAT_VERSION, "kind": KIND, "life": self.life, "host": socket.gethostname(),
@@ -98,6 +101,13 @@ class Ledger:
     def close(self) -> None:
         """Stop listening: events after this (another run in the same process) are not this life's."""
         self._unsubscribe()
+
+    def settle(self, timeout: float = READER_GRACE) -> None:
+        """Wait, at most ``timeout`` seconds, for the read of the earlier lives, once the remote it may still be
+        reading is closed (a storage answering 503 holds it in retries until then): its warning then comes
+        before the job's last line, the error, not after it (seen in CI: test_never_lost's exit 5)."""
+        if self._reader is not None:
+            self._reader.join(timeout)
 
     def __call__(self, name: str, fields: dict[str, Any]) -> None:
         now = time.time()
@@ -154,7 +164,8 @@ class Ledger:
             startup["first_step_at"] = round(now, 3)
             r["last_step"] = int(f.get("step", 0))
             # Reading the earlier lives may mean the bucket: never on the training thread's way.
-            threading.Thread(target=self._find_previous, name="ledger-previous", daemon=True).start()
+            self._reader = threading.Thread(target=self._find_previous, name="ledger-previous", daemon=True)
+            self._reader.start()
             return True
         if name in ("progress", "eval"):
             r["last_step"] = max(r["last_step"], int(f.get("step", 0)))
