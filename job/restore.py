@@ -77,11 +77,17 @@ def restore(state: State, tree: Mapping[Any, Any], source: str, step: int, timer
     if problem is not None:
         raise CheckpointLoadError(f"checkpoint {source} is damaged: {problem}; {ADVICE}")
     if _scale_backed_off_to_zero(state):
-        raise CheckpointLoadError(
-            f"checkpoint {source} cannot be trained on: its loss scale (--precision amp_fp16) backed off to 0, "
-            "as it does when step after step overflows (a run that diverged), and from 0 every step overflows "
-            "again; move it and any newer checkpoints out of --save-folder and --remote, and resume an earlier "
-            "one with a lower --lr (with the same flags the same steps overflow again)")
+        raise cannot_train_on(source, "its loss scale (--precision amp_fp16) backed off to 0, as it does when "
+                              "step after step overflows (a run that diverged), and from 0 every step overflows again")
+
+
+def cannot_train_on(source: str, what: str) -> CheckpointLoadError:
+    """A checkpoint that is no damage but a state no step can go on from (``what``: a loss scale of 0 here,
+    NaN or Inf in its parameters in job.resumed_check): the state of a run that diverged, which job.checkpoint
+    no longer writes (exit 8), and an older version or another tool could have."""
+    return CheckpointLoadError(
+        f"checkpoint {source} cannot be trained on: {what}; move it and any newer checkpoints out of --save-folder "
+        "and --remote, and resume an earlier one with a lower --lr (with the same flags the same steps diverge again)")
 
 
 def _load_own_buffers(model: torch.nn.Module, saved: Any, source: str) -> None:
