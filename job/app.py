@@ -26,6 +26,7 @@ from job.ledger import Ledger
 from job.logs import event
 from job.loop import Trainer, unwrap
 from job.resume import announce, check_new_run, expects_checkpoint, resume
+from job.resumed_check import ResumedCheck
 from job.schedule import resolve_at_start
 from job.signals import StopRequest
 from job.spot import SpotWatcher
@@ -271,6 +272,7 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
                        store.sync_runlog if store is not None else None) if leader else None
     curves = contextlib.ExitStack()  # the TensorBoard writer, from the first step to the end (job.curves)
     checkpointer: Checkpointer | None = None
+    check: ResumedCheck | None = None  # the resumed state's NaN check, during the first step (job.resumed_check)
     failed = False
     try:
         if ckpt_cfg.resume == "never":
@@ -300,6 +302,7 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
             elastic.apply_plan(plan, run, cfg)
             refit_schedule(run, cfg.lr)
             announce(state, resumed)
+            check = ResumedCheck(state, resumed.source)
         checkpointer.meta = {**meta, **plan.meta()}
         eval_interval = resolve_at_start("--eval-interval", cfg.eval_interval, state, plan.global_batch)
         save_interval = resolve_at_start("--save-interval", ckpt_cfg.interval, state, plan.global_batch)
@@ -342,13 +345,18 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
         def should_stop(state: State) -> bool:
             return stopping if distributed.active() else stop.should_stop(state)
 
+        def before_update() -> None:
+            if check is not None:
+                check.before_update()
+            checkpointer.before_update()
+
         if leader and cfg.tensorboard:
             curves.enter_context(recording(ckpt_cfg.folder, start_step=state.timer.batch.value))
         event(logger, "start", step=state.timer.batch.value, max_duration=str(state.max_duration),
               device=cfg.device, precision=cfg.precision.value, world_size=distributed.world_size(),
               parameters=sum(p.numel() for p in state.model.parameters()))
         Trainer(run, eval_interval, cfg.log_interval, after_step=after_step, should_stop=should_stop,
-                before_update=checkpointer.before_update).fit()
+                before_update=before_update).fit()
         if distributed.active() and not stopping and distributed.agree(stop.requested)[0]:
             # A signal after the last step's agree (the final save is in it) reaches one node's processes only:
             # every rank decides on this agreed value, never on its own flag, or they part ways in collectives.
@@ -384,6 +392,8 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
         raise
     finally:
         leavable.leave_on(None)
+        if check is not None:
+            check.close()
         curves.close()
         if life is not None:
             life.close()

@@ -2,6 +2,7 @@
 before training starts, and nothing of the run's good checkpoints is changed (job.restore, job.elastic)."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -70,6 +71,14 @@ def _every_parameter(change: Edit) -> Edit:
         for per_param in tree["optimizers"]["AdamW"]["state"].values():
             change(per_param)
     return edit_all
+
+
+def _one_element(path: tuple[Any, ...], value: float) -> Edit:
+    """One element in the middle of the tensor at ``path`` (a tuple of the keys themselves) set to ``value``."""
+    def apply(tree: dict[str, Any]) -> None:
+        tensor = functools.reduce(lambda node, key: node[key], path, tree)
+        tensor.view(-1)[tensor.numel() // 2] = value
+    return apply
 
 
 # Each was exit 0 with a run that started over or trained random weights (and replaced the good
@@ -165,6 +174,13 @@ DAMAGED_STATES = {
     "a seed of 'x'": (_set("rank_zero_seed", "x"), "its rank_zero_seed is 'x', not a seed"),
     "a seed of 2**80": (_set("rank_zero_seed", 2 ** 80), "its rank_zero_seed is 1208925819614629174706176"),
     "an integer model key": (lambda tree: tree["model"].__setitem__(7, torch.zeros(2)), "damaged"),
+    # A run that diverged, saved before job.checkpoint refused to (exit 8), or elsewhere: each trained NaN from
+    # its first step, and ended in exit 8 one checkpoint later, naming this one as the newest to resume. Now
+    # refused at the first step's optimizer update (job.resumed_check), before anything is written.
+    "one NaN in a weight": (_one_element(("model", "net.3.weight"), float("nan")),
+                            "cannot be trained on: its model.net.3.weight holds NaN or Inf"),
+    "one Inf in a second moment": (_one_element(("optimizers", "AdamW", "state", 5, "exp_avg_sq"), float("inf")),
+                                   "cannot be trained on: its optimizers.AdamW.state.5.exp_avg_sq holds NaN or Inf"),
     "per-rank states that are a number": (_set("per_rank", 5), "per-rank states are not a list of mappings"),
     "per-rank states of numbers": (_set("per_rank", [5, 6]), "per-rank states are not a list of mappings"),
     "train metrics of another rank that are a number": (_set("per_rank", [{}, {"train_metrics": 5}]),
@@ -312,14 +328,16 @@ def test_an_odd_global_batch_of_10_to_the_12_is_answered_at_once() -> None:
         elastic.resumed_plan(meta, train_config(), world=2)
 
 
-def test_the_cli_says_one_line_exit_6_and_keeps_the_good_checkpoints(good: Path, tmp_path: Path) -> None:
-    folder = damaged_copy(good, tmp_path, state=lambda tree: {})
+@pytest.mark.parametrize("case", ["an empty state", "one NaN in a weight"])
+def test_the_cli_says_one_line_exit_6_and_keeps_the_good_checkpoints(good: Path, tmp_path: Path, case: str) -> None:
+    damage, says = DAMAGED_STATES[case]
+    folder = damaged_copy(good, tmp_path, state=damage)
     before = checkpoints_of(folder)
     done = run_job("train", "--max-duration", "6ba", "--save-interval", "2ba", "--save-folder", str(folder),
                    "--log-format", "json")
     assert done.returncode == 6, done.stderr[-2000:]
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("job: error: checkpoint") and "has no model" in last and "Traceback" not in done.stderr
+    assert last.startswith("job: error: checkpoint") and says in last and "Traceback" not in done.stderr
     assert checkpoints_of(folder) == before
 
 

@@ -492,24 +492,36 @@ def test_a_sharded_checkpoint_with_a_compressed_record_is_corrupt(saved: Path, t
     assert str(folder) in str(refused.value) and "\n" not in str(refused.value)
 
 
-@pytest.mark.parametrize("change, refusal", [
-    ({"capturable": True, "fused": True, "foreach": True}, None),
-    ({"amsgrad": True}, "AdamW 0 group 0 amsgrad is True, this run's optimizer has False"),
-    ({"lr": "fast"}, "AdamW 0 group 0 lr is 'fast', not a number like"),
-], ids=["a GPU run's way of stepping", "amsgrad switched on", "a learning rate of 'fast'"])
-def test_a_sharded_resume_checks_the_optimizer_settings_against_this_runs(tmp_path: Path, change: dict[str, Any],
-                                                                          refusal: str | None) -> None:
+def _settings(change: dict[str, Any]) -> Callable[[dict[str, Any]], None]:
+    return lambda tree: tree["optimizers"]["AdamW"]["param_groups"][0].update(change)
+
+
+def _nan_in_the_last_row(tree: dict[str, Any]) -> None:
+    """A NaN in the last row of the first weight: in the second rank's shard only (rows split in halves)."""
+    weight = next(v for v in tree["model"].values() if v.dim() == 2)
+    weight[-1, -1] = float("nan")
+
+
+@pytest.mark.parametrize("edit, refusal", [
+    (_settings({"capturable": True, "fused": True, "foreach": True}), None),
+    (_settings({"amsgrad": True}), "AdamW 0 group 0 amsgrad is True, this run's optimizer has False"),
+    (_settings({"lr": "fast"}), "AdamW 0 group 0 lr is 'fast', not a number like"),
+    (_nan_in_the_last_row, "cannot be trained on: its model."),
+], ids=["a GPU run's way of stepping", "amsgrad switched on", "a learning rate of 'fast'", "a NaN one rank holds"])
+def test_a_sharded_resume_checks_what_it_read_before_training(
+        tmp_path: Path, edit: Callable[[dict[str, Any]], None], refusal: str | None) -> None:
     """A sharded resume loads the optimizers while it reads the checkpoint (job.sharded), before job.restore
     checks them: this run's own settings are read before the read. They were read after it, from the
     checkpoint: a GPU run's capturable=True failed an assertion at the first step, amsgrad a KeyError and
     a learning rate of 'fast' a TypeError, each a traceback. The checkpoint here is a 1-process one, which
-    the sharded run loads whole (sharded.load_full_state); a sharded one goes through the same order."""
+    the sharded run loads whole (sharded.load_full_state); a sharded one goes through the same order.
+    A NaN is in one rank's shard only: that rank finds it, and the other refuses with it, never trains on."""
     folder = tmp_path / "ck"
     first = run_job("train", "--save-folder", str(folder), "--max-duration", "2ba", "--log-format", "json")
     assert first.returncode == 0, first.stderr[-2000:]
     ckpt = newest(folder)
     tree = torch.load(ckpt / STATE_FILE, weights_only=True)
-    tree["optimizers"]["AdamW"]["param_groups"][0].update(change)
+    edit(tree)
     torch.save(tree, ckpt / STATE_FILE)
     reseal(ckpt)
     ranks = JobProcess([*TORCHRUN, "--nproc-per-node", "2", "-m", "job", "train", "--sharded", "--save-folder",
@@ -522,6 +534,7 @@ def test_a_sharded_resume_checks_the_optimizer_settings_against_this_runs(tmp_pa
         return
     errors = [line for line in ranks.stderr.splitlines() if line.startswith("job: error:")]
     assert len(errors) == 2 and all(refusal in e for e in errors), ranks.stderr[-3000:]  # no rank trains on alone
+    assert sum("(seen by another rank)" in e for e in errors) == (edit is _nan_in_the_last_row)
     assert "(exitcode: 6)" in ranks.stderr  # torchrun's own exit code is 1
 
 
