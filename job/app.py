@@ -347,7 +347,7 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
 
         def before_update() -> None:
             if check is not None:
-                check.before_update()
+                check.answer()
             checkpointer.before_update()
 
         if leader and cfg.tensorboard:
@@ -357,6 +357,8 @@ def train(cfg: TrainConfig, ckpt_cfg: CheckpointConfig, remote_cfg: RemoteConfig
               parameters=sum(p.numel() for p in state.model.parameters()))
         Trainer(run, eval_interval, cfg.log_interval, after_step=after_step, should_stop=should_stop,
                 before_update=before_update).fit()
+        if check is not None:  # no step ran (at max_duration already, a stop before the first): before any save
+            check.answer()
         if distributed.active() and not stopping and distributed.agree(stop.requested)[0]:
             # A signal after the last step's agree (the final save is in it) reaches one node's processes only:
             # every rank decides on this agreed value, never on its own flag, or they part ways in collectives.

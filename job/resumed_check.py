@@ -6,10 +6,12 @@ checkpoint as the newest good one to resume.
 
 The check is one reading pass over the state (state.finite, about 10 GiB/s on one CPU core): 50 ms for a
 400 MB state, which before the first step would add 7 % to a resume from the bucket (README, "What is never
-lost"). So it runs in a thread while the first step runs its forward and backward, which read the state and
-never write it, and is waited for right before that step's optimizer update, the first write (Trainer's
-``before_update``). Every rank checks what it holds (its own shards, when sharded) and learns what any rank
-found, so that none trains on alone."""
+lost"). So it runs in a thread while the first step runs its forward and backward, which read the state (a module
+that rescales its weights in forward, ``nn.Embedding(max_norm=...)``, keeps finite values finite and NaN
+NaN), and is answered right before that step's optimizer update, the first write (Trainer's
+``before_update``), or after the loop when no step ran (a run at its end already, a stop before the first
+step), before anything is saved. Every rank checks what it holds (its own shards, when sharded) and learns
+what any rank found, so that none trains on alone."""
 from __future__ import annotations
 
 import logging
@@ -29,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 
 class ResumedCheck:
-    """Started once the checkpoint ``source`` is restored into ``state``; :meth:`before_update` ends it."""
+    """Started once the checkpoint ``source`` is restored into ``state``; :meth:`answer` ends it."""
 
     def __init__(self, state: State, source: str) -> None:
         self._source = source
@@ -46,9 +48,9 @@ class ResumedCheck:
         except Exception as e:  # noqa: BLE001 - a check that fails must never refuse a healthy run
             logger.warning("the resumed state was not checked for NaN or Inf: %s", repr(e).splitlines()[0])
 
-    def before_update(self) -> None:
-        """At the first step's optimizer update, on every rank: wait for the check, then raise
-        CheckpointLoadError (exit 6) on every rank if any rank found NaN or Inf. Nothing after that."""
+    def answer(self) -> None:
+        """On every rank alike (a collective): wait for the check, then raise CheckpointLoadError (exit 6) on
+        every rank if any rank found NaN or Inf. Nothing after the first call."""
         if self._thread is None:
             return
         self.close()

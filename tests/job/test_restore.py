@@ -203,6 +203,21 @@ def test_damaged_content_is_refused_before_training_and_loses_nothing(good: Path
     assert checkpoints_of(folder) == before  # step 2 and the damaged step 4 alike: nothing rewritten
 
 
+@pytest.mark.parametrize("stop_at", [None, 4], ids=["at its end already", "stopped before its first step"])
+def test_a_run_that_takes_no_step_refuses_a_diverged_checkpoint_all_the_same(good: Path, tmp_path: Path,
+                                                                             stop_at: int | None) -> None:
+    """The check is answered at the first step's update, or after the loop when no step ran: before it
+    (review), the first of these finished with exit 0 and marked the folder completed on the NaN state, and the
+    second was preempted (exit 75) to resume it again; a --resume PATH of it was written and refused as exit 8."""
+    folder = damaged_copy(good, tmp_path, state=DAMAGED_STATES["one NaN in a weight"][0])
+    before = checkpoints_of(folder)
+    with pytest.raises(CheckpointLoadError, match="cannot be trained on: its model.net.3.weight holds NaN or Inf"):
+        train_state(train_config(max_duration="4ba" if stop_at is None else "8ba"),
+                    ckpt_config(folder, interval="2ba", async_save=False), stop_at=stop_at)
+    assert checkpoints_of(folder) == before
+    assert local.finished_marker(folder).reason == "failed"
+
+
 # State's own leniency (Composer's): an entry the checkpoint lacks keeps its value, with this warning.
 LENIENT = re.compile(r"is not in the checkpoint|^the checkpoint has no ")
 
