@@ -13,6 +13,9 @@ Arms, interleaved, every one from a fresh local folder against the same SeaweedF
   pays and the floor does not (without its random initialisation: job.deferred_init).
 * ``initialised``: the same, with the model's random initialisation that job.deferred_init skips done
   as before it (job.app's ``expects_checkpoint`` answering no): what the skipping gains, in the same run.
+* ``at_once`` and ``unchecked``: the same as ``inprocess``, with the resumed state's NaN check
+  (job.resumed_check) waited for before the first step instead of beside it, and without it: what
+  running it beside the first step's forward and backward saves, and what the check costs.
 * ``process``: the real ``job train --remote s3://... --max-duration <step+2>ba`` as a subprocess,
   timed from just before spawning it to the ``start`` event (training begins) and to the first
   ``progress`` event (first step done), from the JSON log's ``ts``. This includes process start-up.
@@ -121,12 +124,12 @@ def main(argv: list[str] | None = None) -> int:
         counter = iter(range(10 ** 6))
         env = bucket.env()
 
-        def inprocess(defer: bool = True) -> dict[str, float]:
+        def inprocess(defer: bool = True, check: type = job.app.ResumedCheck) -> dict[str, float]:
             clock, times = FirstSteps(), EventTimes()
             folder = workdir / f"in-{next(counter)}"
             with listening("job", times), listening("uploader.sync", times), \
                     mock.patch.object(job.app, "expects_checkpoint", job.app.expects_checkpoint if defer
-                                      else (lambda *_: False)):
+                                      else (lambda *_: False)), mock.patch.object(job.app, "ResumedCheck", check):
                 started = time.perf_counter()
                 outcome = train(resume_cfg, ckpt_config(folder), remote, stop=clock)
             shutil.rmtree(folder)  # like the floor's file: no round leaves its page cache and disk to the next
@@ -175,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
             return {"download": downloaded - started, "load": done - downloaded, "total": done - started}
 
         results = interleaved({"inprocess": inprocess, "initialised": lambda: inprocess(defer=False),
+                               "at_once": lambda: inprocess(check=AtOnce),
+                               "unchecked": lambda: inprocess(check=Unchecked),
                                "process": process, "startup": startup, "floor": floor},
                               rounds=rounds, log=progress)
 
@@ -191,6 +196,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{med('inprocess', 'first_step'):.2f} s")
     print(f"the same with the model's random initialisation (not skipped): first step starts "
           f"{med('initialised', 'ready'):.2f} s, {med('initialised', 'ready') / floor_s:.3g}x the floor")
+    print("the resumed state's NaN check (job.resumed_check), first step starts / done: beside the first step "
+          + ", at once ".join(f"{med(arm, 'ready'):.2f} / {med(arm, 'first_step'):.2f} s"
+                              for arm in ("inprocess", "at_once")) + f", none {med('unchecked', 'ready'):.2f} / "
+          f"{med('unchecked', 'first_step'):.2f} s")
     print(f"process `job train`: resumed {med('process', 'resumed'):.2f} s, first step starts "
           f"{med('process', 'ready'):.2f} s, first step done {med('process', 'first_step'):.2f} s; "
           f"of which process start-up (python + torch + boto3 imports) {start_s:.2f} s")
@@ -198,6 +207,30 @@ def main(argv: list[str] | None = None) -> int:
           + f" [in-process, to the first step's start]; process: {med('process', 'ready') / floor_s:.3g} "
           f"(vs floor + start-up: {med('process', 'ready') / (floor_s + start_s):.3g})", flush=True)
     return 0
+
+
+class AtOnce:
+    """job.resumed_check's check, waited for before the first step (the bench's ``at_once`` arm)."""
+
+    def __init__(self, state: Any, source: str) -> None:
+        from job.resumed_check import ResumedCheck
+
+        self._check = ResumedCheck(state, source)
+        self._check.answer()  # before the first step starts
+        self.answer, self.close = self._check.answer, self._check.close
+
+
+class Unchecked:
+    """No check of the resumed state at all (the bench's ``unchecked`` arm)."""
+
+    def __init__(self, state: Any, source: str) -> None:
+        pass
+
+    def answer(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 if __name__ == "__main__":
