@@ -4,9 +4,9 @@ job.checkpoint writes no such state, but an older version, another tool or a han
 one; without this check the run trained NaN until its next checkpoint, then stopped with exit 8 naming this
 checkpoint as the newest good one to resume.
 
-The check is one reading pass over the state (state.finite, about 10 GiB/s on one CPU core): 50 ms for a
-400 MB state, which before the first step would add 7 % to a resume from the bucket (README, "What is never
-lost"). So it runs in a thread while the first step runs its forward and backward, which read the state (a module
+The check is one reading pass over the state (state.finite): 25 ms for a 400 MB state on a 2-core VM, which
+before the first step would add 3 % to a resume from the bucket (bench/resume_startup.py, BENCHMARKS.md). So it
+runs in a thread while the first step runs its forward and backward, which read the state (a module
 that rescales its weights in forward, ``nn.Embedding(max_norm=...)``, keeps finite values finite and NaN
 NaN), and is answered right before that step's optimizer update, the first write (Trainer's
 ``before_update``), or after the loop when no step ran (a run at its end already, a stop before the first
