@@ -14,9 +14,14 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
+from job.logs import event
+from job.signals import StopRequest
 from uploader.config import is_http_url
+
+if TYPE_CHECKING:
+    from state import State
 
 logger = logging.getLogger(__name__)
 
@@ -177,3 +182,27 @@ class SpotWatcher:
                 with self._lock:
                     self._pending = notice
             self._stop.wait(self.interval)
+
+
+@dataclass
+class SpotHandler:
+    """On a spot notice: checkpoint (and upload) at once, keep training, stop when the deadline nears."""
+
+    watcher: SpotWatcher
+    stop: StopRequest
+    deadline: float | None = None  # wall clock
+
+    def poll(self, state: State) -> bool:
+        """True when a new notice asks for a checkpoint now; requests the stop once the deadline nears."""
+        notice = self.watcher.take()
+        if notice is not None:
+            left = None if notice.deadline is None else round(notice.deadline - time.time(), 1)
+            event(logger, "spot_notice", provider=notice.provider, kind=notice.kind, seconds_left=left,
+                  deadline=notice.deadline, step=state.timer.batch.value)
+            if notice.deadline is not None:
+                self.deadline = notice.deadline if self.deadline is None else min(self.deadline, notice.deadline)
+        if self.deadline is not None and not self.stop.requested:
+            left = self.deadline - time.time()
+            if left <= self.stop.grace_period:
+                self.stop.request(f"spot notice ({left:.0f}s left)", seconds_left=max(left, 0.0))
+        return notice is not None

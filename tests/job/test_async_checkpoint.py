@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from job import distributed, logs
-from job.app import CheckpointCadence, _stop_for_preemption, train
+from job.app import _stop_for_preemption, train
+from job.cadence import CheckpointCadence
 from job.build import build
 from job.checkpoint import WRITER_NICE, Checkpointer, load_state_file
 from job import snapshot
